@@ -1,0 +1,287 @@
+"""The block pool: a fixed set of KV blocks, their reference counts, and the free lists.
+
+A block is `block_size` token slots of KV cache; the pool hands out block *ids* and keeps score
+of who holds them. The tensors that hold the K/V data are indexed by these ids elsewhere
+(`kvpool.memory.kv_cache`), so the pool itself is pure Python and O(1) per block.
+
+Every block is in exactly one of three states:
+
+    free     ref_count == 0, no hash         on `_fresh_free_ids` (a LIFO stack)
+    cached   ref_count == 0, hashed          on `_evictable_ids`  (LRU order, oldest first)
+    used     ref_count  > 0 (hashed or not)  held by one or more block tables
+
+Invariants (checked by `check_invariants`, exercised by the property tests):
+- num_free + num_cached + num_used == num_blocks, and no id is on both free lists.
+- A block's ref_count equals the number of block tables holding it.
+- A block is on `_evictable_ids` iff its ref_count is 0 and the prefix cache holds its hash.
+- `_num_filled_slots_in_use` equals the filled slots summed over used blocks.
+
+Policy, and why:
+- Fresh blocks are reused LIFO: the most recently freed block is the likeliest to still sit in a
+  cache level close to the compute.
+- Cached blocks are evicted least-recently-used, and only when no fresh block is left, so a
+  prefix stays reusable for as long as memory allows.
+- `allocate(n)` is all-or-nothing, and `free`/`retain` validate every id before touching any,
+  so a failed call never leaves the pool half-changed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than the pool can give."""
+
+    def __init__(self, num_requested: int, num_free: int, num_evictable: int) -> None:
+        self.num_requested = num_requested
+        self.num_free = num_free
+        self.num_evictable = num_evictable
+        super().__init__(
+            f"out of KV blocks: requested {num_requested}, but only {num_free} free and "
+            f"{num_evictable} evictable cached blocks are left"
+        )
+
+
+class InvalidBlockError(ValueError):
+    """Raised for an id the pool does not own, or one in the wrong state for the call."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPoolStats:
+    """A snapshot of the pool; every count is in blocks unless its name says otherwise."""
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    usage: float  # used / total
+    num_unfilled_slots: int  # reserved in used blocks but not yet holding a token
+    num_allocations: int
+    num_frees: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    prefix_cache_queries_blocks: int
+    prefix_cache_hits_blocks: int
+    num_evictions: int
+
+
+class BlockPool:
+    """Reference-counted KV blocks with LIFO reuse and an LRU prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_cache: PrefixCache = (
+            PrefixCache() if enable_prefix_caching else NullPrefixCache()
+        )
+        self._ref_counts = [0] * num_blocks
+        self._num_filled_slots = [0] * num_blocks
+        # Reversed so that a new pool hands out 0, 1, 2, ... in order.
+        self._fresh_free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable_ids: OrderedDict[int, None] = OrderedDict()
+        self._num_filled_slots_in_use = 0
+        self._num_allocations = 0
+        self._num_frees = 0
+        self._num_evictions = 0
+        self._num_queries_blocks = 0
+        self._num_hits_blocks = 0
+        self._num_queries_tokens = 0
+        self._num_hits_tokens = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that never held a hashed prefix (or had theirs evicted)."""
+        return len(self._fresh_free_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks that still hold a reusable prefix."""
+        return len(self._evictable_ids)
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """How many blocks `allocate` can hand out right now (fresh plus evictable)."""
+        return len(self._fresh_free_ids) + len(self._evictable_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_allocatable_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        self._check_id(block_id)
+        return self._ref_counts[block_id]
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable_ids
+
+    def free_block_ids(self) -> list[int]:
+        """Fresh free ids in the order `allocate` would hand them out."""
+        return self._fresh_free_ids[::-1]
+
+    def evictable_block_ids(self) -> list[int]:
+        """Cached unreferenced ids in eviction order (least recently used first)."""
+        return list(self._evictable_ids)
+
+    # ----------------------------------------------------------- allocate/free
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks, each with ref_count 1; all or nothing."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > self.num_allocatable_blocks:
+            raise OutOfBlocksError(num_blocks, self.num_free_blocks, self.num_cached_blocks)
+        block_ids = [self._take_one() for _ in range(num_blocks)]
+        self._num_allocations += num_blocks
+        return block_ids
+
+    def _take_one(self) -> int:
+        if self._fresh_free_ids:
+            block_id = self._fresh_free_ids.pop()
+        else:
+            block_id, _ = self._evictable_ids.popitem(last=False)
+            self.prefix_cache.remove(block_id)
+            self._num_evictions += 1
+        self._ref_counts[block_id] = 1
+        self._num_filled_slots[block_id] = 0
+        return block_id
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per id; a block whose count reaches zero returns to the pool.
+
+        Pass a sequence's blocks tail first: cached blocks then join the LRU list tail first
+        and are evicted before the prefix blocks other requests are likelier to reuse.
+        """
+        block_ids = list(block_ids)
+        for block_id, num_drops in Counter(block_ids).items():
+            self._check_id(block_id)
+            if self._ref_counts[block_id] < num_drops:
+                raise InvalidBlockError(
+                    f"cannot free block {block_id} {num_drops} time(s): its ref_count is "
+                    f"{self._ref_counts[block_id]}"
+                )
+        for block_id in block_ids:
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        self._num_filled_slots_in_use -= self._num_filled_slots[block_id]
+        self._num_frees += 1
+        if self.prefix_cache.is_cached(block_id):
+            self._evictable_ids[block_id] = None
+        else:
+            self._num_filled_slots[block_id] = 0
+            self._fresh_free_ids.append(block_id)
+
+    def retain(self, block_ids: Iterable[int]) -> None:
+        """Add one reference per id: share used blocks, or revive cached ones."""
+        block_ids = list(block_ids)
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._ref_counts[block_id] == 0 and block_id not in self._evictable_ids:
+                raise InvalidBlockError(f"cannot retain block {block_id}: it is free")
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._evictable_ids[block_id]
+                self._num_filled_slots_in_use += self._num_filled_slots[block_id]
+            self._ref_counts[block_id] += 1
+
+    def set_num_filled_slots(self, block_id: int, num_filled: int) -> None:
+        """Record how many of a used block's slots hold tokens (for the waste statistic)."""
+        assert self._ref_counts[block_id] > 0, "only used blocks are filled"
+        assert 0 <= num_filled <= self.block_size
+        self._num_filled_slots_in_use += num_filled - self._num_filled_slots[block_id]
+        self._num_filled_slots[block_id] = num_filled
+
+    # ----------------------------------------------------------- prefix cache
+    def match_prefix(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
+    ) -> list[int]:
+        """Ids of the longest run of cached blocks matching the leading full blocks.
+
+        Pure lookup: no references taken, no counters touched (admission checks call it).
+        """
+        block_ids: list[int] = []
+        size = self.block_size
+        for index, block_hash in enumerate(block_hashes):
+            block_id = self.prefix_cache.lookup(
+                block_hash, token_ids[index * size : (index + 1) * size]
+            )
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def take_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]) -> list[int]:
+        """Like `match_prefix`, but takes a reference on each hit and counts the query."""
+        block_ids = self.match_prefix(block_hashes, token_ids)
+        self.retain(block_ids)
+        self._num_queries_blocks += len(block_hashes)
+        self._num_queries_tokens += len(token_ids)
+        self._num_hits_blocks += len(block_ids)
+        self._num_hits_tokens += len(block_ids) * self.block_size
+        return block_ids
+
+    def publish(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Offer a full, computed, used block to the prefix cache.
+
+        Returns False when the cache keeps another block for this hash (two sequences computed
+        the same prefix at once) or caching is off; the block then stays unhashed.
+        """
+        assert self._ref_counts[block_id] > 0, "only used blocks are published"
+        assert len(token_ids) == self.block_size, "only full blocks are published"
+        return self.prefix_cache.insert(block_id, block_hash, token_ids)
+
+    # -------------------------------------------------------------- reporting
+    def stats(self) -> BlockPoolStats:
+        num_used = self.num_used_blocks
+        return BlockPoolStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_free_blocks=self.num_free_blocks,
+            num_used_blocks=num_used,
+            num_cached_blocks=self.num_cached_blocks,
+            usage=num_used / self.num_blocks,
+            num_unfilled_slots=num_used * self.block_size - self._num_filled_slots_in_use,
+            num_allocations=self._num_allocations,
+            num_frees=self._num_frees,
+            prefix_cache_queries_tokens=self._num_queries_tokens,
+            prefix_cache_hits_tokens=self._num_hits_tokens,
+            prefix_cache_queries_blocks=self._num_queries_blocks,
+            prefix_cache_hits_blocks=self._num_hits_blocks,
+            num_evictions=self._num_evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert every invariant in the module docstring (O(num_blocks); for tests)."""
+        fresh = set(self._fresh_free_ids)
+        evictable = set(self._evictable_ids)
+        assert len(fresh) == len(self._fresh_free_ids), "duplicate id on the free stack"
+        assert not fresh & evictable, "a block is both free and cached"
+        filled_in_use = 0
+        for block_id, ref_count in enumerate(self._ref_counts):
+            assert ref_count >= 0
+            is_hashed = self.prefix_cache.is_cached(block_id)
+            if ref_count > 0:
+                assert block_id not in fresh and block_id not in evictable
+                filled_in_use += self._num_filled_slots[block_id]
+            else:
+                assert (block_id in evictable) == is_hashed
+                assert (block_id in fresh) != is_hashed
+        assert filled_in_use == self._num_filled_slots_in_use
+
+    def _check_id(self, block_id: int) -> None:
+        if not (isinstance(block_id, int) and 0 <= block_id < self.num_blocks):
+            raise InvalidBlockError(
+                f"block id {block_id!r} does not exist (pool has {self.num_blocks})"
+            )

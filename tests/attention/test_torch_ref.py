@@ -1,0 +1,118 @@
+"""The torch paged-attention backend equals dense causal attention on random inputs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from kvpool.attention.metadata import AttentionMetadata
+from kvpool.attention.torch_ref import TorchAttentionBackend
+from kvpool.memory.kv_cache import write_kv
+
+HEAD_DIM = 16
+NUM_KV_HEADS = 2
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def dense_attention(query, keys, values, scale):
+    """Causal attention of the last `len(query)` positions over a full context (GQA by repeat).
+
+    query [query_len, H, D], keys/values [seq_len, Hkv, D] -> [query_len, H, D]
+    """
+    query_len, seq_len = query.shape[0], keys.shape[0]
+    group_size = query.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group_size, dim=1)
+    values = values.float().repeat_interleave(group_size, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    query_positions = torch.arange(seq_len - query_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_positions, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def run_case(seq_shapes, block_size, group_size, dtype, seed=0):
+    """seq_shapes: (num_cached_tokens, query_len) per sequence, decodes first."""
+    generator = torch.Generator().manual_seed(seed)
+    num_heads = NUM_KV_HEADS * group_size
+    blocks_needed = sum(-(-(cached + new) // block_size) for cached, new in seq_shapes)
+    num_blocks = blocks_needed + 3
+    block_ids = list(range(num_blocks))
+    random.Random(seed).shuffle(block_ids)  # physical order unrelated to logical order
+    kv_layer = torch.zeros(num_blocks, 2, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    tables, queries, new_keys, new_values, expected, slots = [], [], [], [], [], []
+    scale = HEAD_DIM**-0.5
+    for cached, new in seq_shapes:
+        seq_len = cached + new
+        table = [block_ids.pop() for _ in range(-(-seq_len // block_size))]
+        seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        shape = (seq_len, NUM_KV_HEADS, HEAD_DIM)
+        keys = torch.randn(shape, generator=generator).to(dtype)
+        values = torch.randn(shape, generator=generator).to(dtype)
+        query = torch.randn(new, num_heads, HEAD_DIM, generator=generator).to(dtype)
+        write_kv(kv_layer, keys[:cached], values[:cached], torch.tensor(seq_slots[:cached], dtype=torch.int64))
+        tables.append(table)
+        queries.append(query)
+        new_keys.append(keys[cached:])
+        new_values.append(values[cached:])
+        slots.extend(seq_slots[cached:])
+        expected.append(dense_attention(query, keys, values, scale))
+    metadata = AttentionMetadata.build(
+        query_lens=[new for _, new in seq_shapes],
+        seq_lens=[cached + new for cached, new in seq_shapes],
+        block_tables=tables,
+        slot_mapping=slots,
+        block_size=block_size,
+    )
+    out = TorchAttentionBackend().forward(
+        torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_layer, metadata, scale
+    )
+    return out.float(), torch.cat(expected)
+
+
+MIXED_BATCH = [
+    (0, 1),  # decode of the very first token
+    (6, 1),  # decode, context ends mid-block
+    (31, 1),  # decode at a block boundary for block_size 32
+    (0, 9),  # prefill from scratch
+    (5, 7),  # extend from a cached prefix that ends mid-block
+    (16, 16),  # extend from a block-aligned prefix
+]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "group_size", "dtype"),
+    list(itertools.product([1, 8, 16, 32], [1, 3], [torch.float32, torch.bfloat16])),
+)
+def test_paged_equals_dense_for_mixed_batches(block_size, group_size, dtype):
+    out, expected = run_case(MIXED_BATCH, block_size, group_size, dtype)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("shapes", [[(0, 1)], [(40, 1), (3, 1)], [(0, 20)], [(13, 2), (1, 5)]])
+def test_decode_only_and_prefill_only_batches(shapes):
+    out, expected = run_case(shapes, block_size=8, group_size=3, dtype=torch.float32, seed=1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_counts_leading_decodes():
+    metadata = AttentionMetadata.build(
+        query_lens=[1, 1, 4, 1],
+        seq_lens=[3, 9, 4, 2],
+        block_tables=[[0], [1, 2], [3], [4]],
+        slot_mapping=[2, 12, 24, 25, 26, 27, 33],
+        block_size=8,
+    )
+    assert metadata.num_decode_seqs == 2
+    assert metadata.query_start_loc.tolist() == [0, 1, 2, 6, 7]
+    assert metadata.block_tables.tolist() == [[0, 0], [1, 2], [3, 0], [4, 0]]
+    assert (metadata.max_query_len, metadata.max_seq_len) == (4, 9)
+
+
+def test_metadata_rejects_inconsistent_input():
+    with pytest.raises(ValueError, match="query_len <= seq_len"):
+        AttentionMetadata.build([3], [2], [[0]], [0, 1, 2], block_size=4)
+    with pytest.raises(ValueError, match="one slot per new token"):
+        AttentionMetadata.build([2], [2], [[0]], [0], block_size=4)

@@ -1,0 +1,164 @@
+"""BlockPool on tiny pools: exact ids, reference counts, LIFO reuse, LRU eviction, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.memory.block_pool import BlockPool, InvalidBlockError, OutOfBlocksError
+from kvpool.memory.prefix_cache import hash_full_blocks
+
+
+def publish_full_block(pool: BlockPool, block_id: int, tokens: list[int]) -> bytes:
+    (block_hash,) = hash_full_blocks(tokens, pool.block_size)
+    assert pool.publish(block_id, block_hash, tokens)
+    return block_hash
+
+
+def test_new_pool_hands_out_ids_in_order_with_ref_count_one():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert [pool.ref_count(i) for i in range(4)] == [1, 1, 1, 0]
+    assert (pool.num_free_blocks, pool.num_used_blocks, pool.num_cached_blocks) == (5, 3, 0)
+
+
+def test_fresh_blocks_are_reused_last_in_first_out():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    pool.allocate(4)  # 0 1 2 3
+    pool.free([1])
+    pool.free([3])
+    pool.free([0])
+    assert pool.free_block_ids()[:3] == [0, 3, 1]
+    assert pool.allocate(3) == [0, 3, 1]
+
+
+def test_allocate_is_all_or_nothing():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    pool.allocate(6)
+    before = pool.stats()
+    with pytest.raises(OutOfBlocksError) as info:
+        pool.allocate(3)
+    assert (info.value.num_requested, info.value.num_free, info.value.num_evictable) == (3, 2, 0)
+    assert "requested 3" in str(info.value) and "2 free" in str(info.value)
+    assert pool.stats() == before
+    pool.check_invariants()
+
+
+def test_shared_block_returns_only_when_last_reference_drops():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    (block,) = pool.allocate(1)
+    pool.retain([block])
+    assert pool.ref_count(block) == 2
+    pool.free([block])
+    assert pool.ref_count(block) == 1 and pool.num_free_blocks == 3
+    pool.free([block])
+    assert pool.ref_count(block) == 0 and pool.num_free_blocks == 4
+
+
+def test_double_free_and_unknown_ids_raise_and_change_nothing():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    pool.allocate(2)
+    pool.free([1])
+    before = pool.stats()
+    with pytest.raises(InvalidBlockError, match="ref_count is 0"):
+        pool.free([1])
+    with pytest.raises(InvalidBlockError, match="ref_count is 1"):
+        pool.free([0, 0])  # the second drop would be a double free: nothing is freed
+    with pytest.raises(InvalidBlockError, match="does not exist"):
+        pool.free([0, 99])
+    with pytest.raises(InvalidBlockError, match="does not exist"):
+        pool.free([-1])
+    with pytest.raises(InvalidBlockError, match="is free"):
+        pool.retain([0, 1])
+    assert pool.stats() == before and pool.ref_count(0) == 1
+    pool.check_invariants()
+
+
+def test_freed_hashed_block_stays_cached_and_can_be_revived():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    (block,) = pool.allocate(1)
+    pool.set_num_filled_slots(block, 2)
+    block_hash = publish_full_block(pool, block, [7, 8])
+    pool.free([block])
+    assert pool.evictable_block_ids() == [block] and pool.num_free_blocks == 3
+    assert pool.take_prefix([block_hash], [7, 8]) == [block]
+    assert pool.ref_count(block) == 1 and pool.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_cached_blocks_are_evicted_lru_and_only_after_fresh_ones():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    blocks = pool.allocate(3)  # 0 1 2
+    for block, tokens in zip(blocks, ([1, 1], [2, 2], [3, 3]), strict=True):
+        pool.set_num_filled_slots(block, 2)
+        publish_full_block(pool, block, tokens)
+    pool.free([2, 0, 1])  # LRU order now 2, 0, 1
+    assert pool.evictable_block_ids() == [2, 0, 1]
+    assert pool.allocate(1) == [3]  # the fresh block goes first
+    assert pool.stats().num_evictions == 0
+    assert pool.allocate(2) == [2, 0]  # then least recently used cached blocks
+    assert pool.stats().num_evictions == 2
+    assert not pool.prefix_cache.is_cached(2) and pool.prefix_cache.is_cached(1)
+    pool.check_invariants()
+
+
+def test_reviving_a_cached_block_moves_it_out_of_lru_order():
+    pool = BlockPool(num_blocks=3, block_size=1)
+    hashes = []
+    for block in pool.allocate(3):
+        pool.set_num_filled_slots(block, 1)
+        hashes.append(publish_full_block(pool, block, [block]))
+    pool.free([0, 1, 2])
+    pool.take_prefix([hashes[0]], [0])
+    pool.free([0])  # 0 becomes most recently used
+    assert pool.evictable_block_ids() == [1, 2, 0]
+
+
+def test_publish_keeps_the_first_block_for_a_hash():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    first, second = pool.allocate(2)
+    publish_full_block(pool, first, [5, 6])
+    (block_hash,) = hash_full_blocks([5, 6], 2)
+    assert not pool.publish(second, block_hash, [5, 6])
+    pool.free([first, second])
+    assert pool.evictable_block_ids() == [first] and pool.free_block_ids()[0] == second
+
+
+def test_prefix_caching_off_finds_nothing_and_keeps_nothing():
+    pool = BlockPool(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    (block,) = pool.allocate(1)
+    (block_hash,) = hash_full_blocks([1, 2], 2)
+    assert not pool.publish(block, block_hash, [1, 2])
+    pool.free([block])
+    assert pool.num_cached_blocks == 0 and pool.match_prefix([block_hash], [1, 2]) == []
+
+
+def test_stats_report_usage_waste_and_counters():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    a, b = pool.allocate(2)
+    pool.set_num_filled_slots(a, 4)
+    pool.set_num_filled_slots(b, 1)
+    stats = pool.stats()
+    assert (stats.num_used_blocks, stats.num_free_blocks, stats.num_cached_blocks) == (2, 6, 0)
+    assert stats.usage == 0.25
+    assert stats.num_unfilled_slots == 3
+    pool.free([b, a])
+    stats = pool.stats()
+    assert (stats.num_allocations, stats.num_frees, stats.num_unfilled_slots) == (2, 2, 0)
+
+
+def test_prefix_counters_count_tokens_and_blocks():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    (block,) = pool.allocate(1)
+    block_hash = publish_full_block(pool, block, [1, 2])
+    hashes = hash_full_blocks([1, 2, 3, 4, 5], 2)
+    assert hashes[0] == block_hash
+    assert pool.take_prefix(hashes, [1, 2, 3, 4, 5]) == [block]
+    stats = pool.stats()
+    assert (stats.prefix_cache_queries_blocks, stats.prefix_cache_hits_blocks) == (2, 1)
+    assert (stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens) == (5, 2)
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0)])
+def test_invalid_pool_shapes_are_rejected(num_blocks, block_size):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        BlockPool(num_blocks, block_size)

@@ -1,0 +1,131 @@
+"""BlockTable: logical → physical mapping, slots, fork, copy-on-write, prefix reuse, free."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.memory.block_pool import BlockPool, OutOfBlocksError
+from kvpool.memory.block_table import BlockCopy, BlockTable
+
+
+@pytest.fixture
+def pool() -> BlockPool:
+    return BlockPool(num_blocks=8, block_size=4)
+
+
+def test_append_allocates_a_block_only_when_the_last_is_full(pool):
+    table = BlockTable(pool)
+    table.append_tokens([10, 11, 12])
+    assert table.block_ids == [0]
+    table.append_tokens([13])
+    assert table.block_ids == [0]
+    table.append_tokens([14])
+    assert table.block_ids == [0, 1]
+    assert table.num_tokens == 5 and table.token_ids == [10, 11, 12, 13, 14]
+
+
+def test_slots_follow_the_block_table(pool):
+    pool.allocate(2)  # blocks 0 and 1 are taken, so the table gets 2, 3, ...
+    table = BlockTable(pool)
+    table.append_tokens(list(range(6)))
+    assert table.block_ids == [2, 3]
+    assert [table.slot(p) for p in range(6)] == [8, 9, 10, 11, 12, 13]
+    assert table.slots(3, 6) == [11, 12, 13]
+    with pytest.raises(IndexError):
+        table.slot(6)
+
+
+def test_fork_shares_every_block_without_copying(pool):
+    parent = BlockTable(pool)
+    parent.append_tokens(list(range(6)))
+    child = parent.fork()
+    assert child.block_ids == parent.block_ids == [0, 1]
+    assert [pool.ref_count(b) for b in (0, 1)] == [2, 2]
+    assert pool.num_used_blocks == 2
+
+
+def test_writing_into_a_shared_partial_block_copies_it_first(pool):
+    parent = BlockTable(pool)
+    parent.append_tokens(list(range(6)))  # block 1 holds 2 of 4 slots
+    child = parent.fork()
+    copies = child.append_tokens([100])
+    assert copies == [BlockCopy(src_block_id=1, dst_block_id=2)]
+    assert child.block_ids == [0, 2] and parent.block_ids == [0, 1]
+    assert [pool.ref_count(b) for b in (0, 1, 2)] == [2, 1, 1]
+    # the parent's last block is now private again: no second copy
+    assert parent.append_tokens([200]) == []
+    assert parent.block_ids == [0, 1]
+    pool.check_invariants()
+
+
+def test_a_shared_full_last_block_needs_no_copy(pool):
+    parent = BlockTable(pool)
+    parent.append_tokens(list(range(4)))
+    child = parent.fork()
+    assert child.num_blocks_to_append(1) == 1
+    assert child.append_tokens([9]) == []
+    assert child.block_ids == [0, 1] and parent.block_ids == [0]
+
+
+def test_append_is_all_or_nothing_on_exhaustion(pool):
+    table = BlockTable(pool)
+    table.append_tokens(list(range(6)))
+    child = table.fork()
+    pool.allocate(pool.num_allocatable_blocks - 1)  # one block left; COW + 1 new block needs 2
+    assert child.num_blocks_to_append(3) == 2
+    with pytest.raises(OutOfBlocksError):
+        child.append_tokens([1, 2, 3])
+    assert child.block_ids == [0, 1] and child.num_tokens == 6
+    assert pool.ref_count(1) == 2
+    pool.check_invariants()
+
+
+def test_free_returns_every_block_and_hashed_blocks_stay_cached(pool):
+    table = BlockTable(pool)
+    table.append_tokens(list(range(10)))  # two full blocks (hashed) and one partial
+    table.free()
+    assert table.block_ids == [] and table.num_tokens == 0
+    assert pool.num_used_blocks == 0
+    assert pool.num_cached_blocks == 2
+    # freed tail first, so the tail full block is the first to be evicted
+    assert pool.evictable_block_ids() == [1, 0]
+    assert pool.free_block_ids()[0] == 2
+
+
+def test_a_new_table_reuses_the_longest_cached_prefix(pool):
+    first = BlockTable(pool)
+    first.append_tokens(list(range(10)))
+    second = BlockTable(pool)
+    assert second.take_cached_prefix(list(range(9)) + [99]) == 8
+    assert second.block_ids == [0, 1]
+    assert [pool.ref_count(b) for b in (0, 1)] == [2, 2]
+    second.append_tokens([8, 99])
+    assert second.block_ids == [0, 1, 3]
+    third = BlockTable(pool)
+    assert third.take_cached_prefix([0, 1, 2, 3, 0, 0, 0, 0]) == 4  # diverges in block 1
+    pool.check_invariants()
+
+
+def test_different_salts_never_share(pool):
+    salted = BlockTable(pool, cache_salt="a")
+    salted.append_tokens(list(range(8)))
+    assert BlockTable(pool, cache_salt="b").take_cached_prefix(list(range(8))) == 0
+    assert BlockTable(pool).take_cached_prefix(list(range(8))) == 0
+    assert BlockTable(pool, cache_salt="a").take_cached_prefix(list(range(8))) == 8
+
+
+def test_uncomputed_blocks_are_not_offered_until_marked(pool):
+    table = BlockTable(pool)
+    table.append_tokens(list(range(8)), computed=False)
+    assert BlockTable(pool).take_cached_prefix(list(range(8))) == 0
+    table.mark_computed(5)  # only block 0 is fully computed
+    assert table.num_hashed_blocks == 1
+    assert BlockTable(pool).take_cached_prefix(list(range(8))) == 4
+
+
+def test_unfilled_slots_track_the_partial_last_block(pool):
+    table = BlockTable(pool)
+    table.append_tokens([1, 2, 3, 4, 5])
+    assert pool.stats().num_unfilled_slots == 3
+    table.append_tokens([6, 7])
+    assert pool.stats().num_unfilled_slots == 1
