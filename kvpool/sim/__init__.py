@@ -1,0 +1,36 @@
+"""The allocation simulator: replay request traces through KV allocation strategies.
+
+No model runs: a strategy only decides where each token's KV would live, so contiguous
+reservations (on the real `Arena`) and paged blocks (on the real `BlockPool`) can be compared
+on the same budget and trace: `kvpool.sim.simulate.simulate(trace, strategy, config)`.
+`kvpool simulate` is the command line (kvpool/sim/cli.py).
+"""
+
+from kvpool.sim.model_shape import KV_SHAPES, KVShape, kv_shape
+from kvpool.sim.simulate import SimResult
+from kvpool.sim.strategies import MemorySnapshot, SimConfig, Strategy, build_strategies
+from kvpool.sim.trace import (
+    Request,
+    add_shared_prefix,
+    load_jsonl,
+    save_jsonl,
+    sharegpt_trace,
+    uniform_trace,
+)
+
+__all__ = [
+    "KV_SHAPES",
+    "KVShape",
+    "MemorySnapshot",
+    "Request",
+    "SimConfig",
+    "SimResult",
+    "Strategy",
+    "add_shared_prefix",
+    "build_strategies",
+    "kv_shape",
+    "load_jsonl",
+    "save_jsonl",
+    "sharegpt_trace",
+    "uniform_trace",
+]

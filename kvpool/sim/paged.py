@@ -1,0 +1,162 @@
+"""Paged strategies: sequences take fixed-size blocks as they grow, from the real `BlockPool`.
+
+Each sample of a request is one `BlockTable`. Two kinds of sharing, both through the real
+memory core:
+
+- `share_prefix`: the pool's prefix cache is on; a new table first takes the longest cached run
+  of its prompt's full blocks (the shared system prompt), then allocates the rest.
+- `fork_samples`: the prompt is stored once and the other n-1 samples are forks of it; the
+  first token a sample appends to a shared, partly filled block copies it (copy-on-write).
+
+Token ids only matter for prefix hashing, so they are synthetic but distinct where real ones
+would differ: group g's shared prefix is `g * 2**16 + i`, the rest of request r's prompt is
+`2**30 + r`, and sample s of request r generates `2**31 + r * 64 + s`.
+
+Admission and growth are all-or-nothing: the exact number of blocks needed is computed first
+(`_num_blocks_to_admit`, `_num_blocks_to_grow`) and compared with what the pool can give.
+"""
+
+from __future__ import annotations
+
+from kvpool.memory.block_pool import BlockPool, OutOfBlocksError
+from kvpool.memory.block_table import BlockTable, cdiv
+from kvpool.memory.prefix_cache import BlockHash, hash_full_blocks
+from kvpool.sim.strategies import MemorySnapshot, SimConfig
+from kvpool.sim.trace import Request
+
+
+def prompt_token_ids(request: Request) -> list[int]:
+    shared = []
+    if request.prefix_group is not None:
+        base = request.prefix_group << 16
+        shared = list(range(base, base + request.prefix_len))
+    return shared + [(1 << 30) + request.request_id] * (request.prompt_len - len(shared))
+
+
+def generated_token_id(request: Request, sample: int) -> int:
+    return (1 << 31) + request.request_id * 64 + sample
+
+
+class PagedStrategy:
+    """Block tables over one `BlockPool` holding as many blocks as the budget allows."""
+
+    def __init__(self, config: SimConfig, block_size: int, *, share_prefix: bool = False,
+                 fork_samples: bool = False) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.share_prefix = share_prefix
+        self.fork_samples = fork_samples
+        self.name = f"paged-{block_size}" + "+prefix" * share_prefix + "+fork" * fork_samples
+        self._bytes_per_token = config.shape.bytes_per_token
+        self._block_nbytes = block_size * self._bytes_per_token
+        num_blocks = config.budget_bytes // self._block_nbytes
+        if num_blocks < 1:
+            raise ValueError(f"the budget does not hold one block of {block_size} tokens")
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=share_prefix)
+        self._tables: dict[int, list[BlockTable]] = {}
+        self._prompt_hashes: dict[int, list[BlockHash]] = {}
+
+    # --------------------------------------------------------------- admission
+    def try_admit(self, request: Request, num_generated: int) -> bool:
+        if self._num_blocks_to_admit(request, num_generated) > self.pool.num_allocatable_blocks:
+            return False
+        tables: list[BlockTable] = []
+        try:
+            self._build_tables(request, num_generated, tables)
+        except OutOfBlocksError:  # a rare prefix-cache corner the count did not foresee
+            for table in tables:
+                table.free()
+            return False
+        self._tables[request.request_id] = tables
+        self._prompt_hashes.pop(request.request_id, None)
+        return True
+
+    def _build_tables(self, request: Request, num_generated: int,
+                      tables: list[BlockTable]) -> None:
+        num_samples = self.config.num_samples
+        prompt = prompt_token_ids(request)
+        for sample in range(num_samples):
+            if self.fork_samples and sample > 0:
+                tables.append(tables[0].fork())
+            else:
+                tables.append(self._prompt_table(request, prompt))
+        if num_generated:
+            for sample, table in enumerate(tables):
+                tokens = [generated_token_id(request, sample)] * num_generated
+                table.append_tokens(tokens, computed=self.share_prefix)
+
+    def _prompt_table(self, request: Request, prompt: list[int]) -> BlockTable:
+        table = BlockTable(self.pool)
+        num_cached = 0
+        if self.share_prefix:
+            num_cached = table.take_cached_prefix(prompt, self._hashes(request, prompt))
+        table.append_tokens(prompt[num_cached:], computed=self.share_prefix)
+        return table
+
+    def _hashes(self, request: Request, prompt: list[int]) -> list[BlockHash]:
+        # A head-of-line request is asked every step until it fits: hash its prompt once.
+        hashes = self._prompt_hashes.get(request.request_id)
+        if hashes is None:
+            hashes = hash_full_blocks(prompt, self.block_size)
+            self._prompt_hashes[request.request_id] = hashes
+        return hashes
+
+    def _num_blocks_to_admit(self, request: Request, num_generated: int) -> int:
+        size, num_samples = self.block_size, self.config.num_samples
+        num_prompt, num_tokens = request.prompt_len, request.prompt_len + num_generated
+        num_hits = num_revived = 0
+        if self.share_prefix:
+            prompt = prompt_token_ids(request)
+            hit_ids = self.pool.match_prefix(self._hashes(request, prompt), prompt)
+            num_hits = len(hit_ids)
+            # A cached block nobody holds counts as allocatable until it is revived.
+            num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in hit_ids)
+        first = cdiv(num_tokens if not self.fork_samples else num_prompt, size)
+        first += num_revived - num_hits
+        if self.fork_samples:
+            # Every sample appends its generated tokens; all but the last holder of a shared,
+            # partly filled prompt block copy it first.
+            num_new = cdiv(num_tokens, size) - cdiv(num_prompt, size)
+            num_copies = (num_samples - 1) * (num_generated > 0 and num_prompt % size != 0)
+            return first + num_samples * num_new + num_copies
+        # Later samples find the first sample's full prompt blocks in the prefix cache.
+        num_shared = num_prompt // size if self.share_prefix else 0
+        return first + (num_samples - 1) * (cdiv(num_tokens, size) - num_shared)
+
+    # ------------------------------------------------------------------ growth
+    def try_grow(self, request: Request) -> bool:
+        tables = self._tables[request.request_id]
+        if self._num_blocks_to_grow(tables) > self.pool.num_allocatable_blocks:
+            return False
+        for sample, table in enumerate(tables):
+            table.append_tokens([generated_token_id(request, sample)], computed=self.share_prefix)
+        return True
+
+    def _num_blocks_to_grow(self, tables: list[BlockTable]) -> int:
+        num_needed = sum(table.num_blocks_to_append(1) for table in tables)
+        if len(tables) == 1:
+            return num_needed
+        # Each table holding a shared, partly filled last block counts a copy, but the last of
+        # its holders (all samples of this request) writes in place.
+        shared_partial_ids = {
+            table.block_ids[-1] for table in tables
+            if table.num_tokens % self.block_size and self.pool.ref_count(table.block_ids[-1]) > 1
+        }
+        return num_needed - len(shared_partial_ids)
+
+    def release(self, request: Request) -> None:
+        for table in self._tables.pop(request.request_id):
+            table.free()
+
+    # --------------------------------------------------------------- reporting
+    def memory(self) -> MemorySnapshot:
+        stats = self.pool.stats()
+        num_used_slots = stats.num_used_blocks * self.block_size
+        per_token = self._bytes_per_token
+        return MemorySnapshot(
+            token_states=(num_used_slots - stats.num_unfilled_slots) * per_token,
+            reservation=0,
+            internal=stats.num_unfilled_slots * per_token,
+            free=self.config.budget_bytes - stats.num_used_blocks * self._block_nbytes,
+            external_fragmentation=0.0,  # any free block serves any request
+        )

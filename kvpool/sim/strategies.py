@@ -1,0 +1,119 @@
+"""The allocation strategies the simulator compares, behind one interface, and their roster.
+
+Every strategy manages the same KV budget for the same model shape and is driven the same way
+by `simulate` (FCFS admission, one token per running sequence per step). What differs is what
+a sequence holds:
+
+    contiguous-max      one range of max_seq_len tokens per sequence (static KV caches)
+    contiguous-pow2     one range of the final length rounded up to a power of two
+    contiguous-exact-*  one range of exactly the final length (Orca-like, needs an oracle),
+                        placed first / best / worst fit on the real `Arena`
+    paged-B             blocks of B tokens taken as the sequence grows (the real `BlockPool`
+                        and `BlockTable`)
+    paged-B+prefix      ... and full blocks of a shared system prompt reused across requests
+    paged-B+fork        ... and the n samples of a request forked from one prompt (copy-on-write)
+
+Memory is split four ways, always summing to the budget:
+
+    token_states   KV of tokens the running sequences hold now
+    reservation    reserved for tokens a running sequence will still generate
+    internal       reserved but never to hold a token: past the final length, unfilled slots of
+                   a sequence's last block, rounding
+    free           held by no running sequence
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool.memory.arena_free_list import PlacementPolicy
+from kvpool.sim.model_shape import KVShape
+from kvpool.sim.trace import Request
+
+DEFAULT_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+SHARING_BLOCK_SIZE = 16  # vLLM's default block size
+ALIGNMENT = 256  # the arena's base alignment; budgets are whole multiples of it
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The memory setup every strategy shares."""
+
+    budget_bytes: int
+    shape: KVShape
+    max_seq_len: int = 2048
+    num_samples: int = 1  # parallel sampling: sequences per request
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0 or self.budget_bytes % ALIGNMENT:
+            raise ValueError(f"budget must be a positive multiple of {ALIGNMENT} bytes, "
+                             f"got {self.budget_bytes}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if not 1 <= self.num_samples <= 64:
+            raise ValueError(f"num_samples must be in 1..64, got {self.num_samples}")
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.budget_bytes // self.shape.bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    """Where the budget is at one step, in bytes (see the module docstring)."""
+
+    token_states: int
+    reservation: int
+    internal: int
+    free: int
+    external_fragmentation: float  # 1 - largest free range / free; 0 when any free byte serves
+
+
+class Strategy(Protocol):
+    """What `simulate` needs from an allocation strategy."""
+
+    name: str
+    block_size: int | None
+
+    def try_admit(self, request: Request, num_generated: int) -> bool:
+        """Store the prompt plus `num_generated` tokens for each sample; False if it won't fit."""
+        ...
+
+    def try_grow(self, request: Request) -> bool:
+        """Store one more token for each sample; False (nothing changed) if memory ran out."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """Give back everything the request holds."""
+        ...
+
+    def memory(self) -> MemorySnapshot: ...
+
+
+def build_strategies(config: SimConfig, trace: Sequence[Request],
+                     block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES) -> list[Strategy]:
+    """The roster: contiguous baselines, paged per block size, and the sharing variants that
+    have something to share on this trace (prefix groups present, or more than one sample)."""
+    from kvpool.sim.contiguous import (
+        ContiguousStrategy,
+        reserve_exact,
+        reserve_max,
+        reserve_pow2,
+    )
+    from kvpool.sim.paged import PagedStrategy
+
+    strategies: list[Strategy] = [
+        ContiguousStrategy(config, "contiguous-max", reserve_max),
+        ContiguousStrategy(config, "contiguous-pow2", reserve_pow2),
+    ]
+    strategies += [ContiguousStrategy(config, f"contiguous-exact-{policy.value}", reserve_exact,
+                                      policy)
+                   for policy in PlacementPolicy]
+    strategies += [PagedStrategy(config, block_size) for block_size in block_sizes]
+    if any(request.prefix_group is not None for request in trace):
+        strategies.append(PagedStrategy(config, SHARING_BLOCK_SIZE, share_prefix=True))
+    if config.num_samples > 1:
+        strategies.append(PagedStrategy(config, SHARING_BLOCK_SIZE, fork_samples=True))
+    return strategies
