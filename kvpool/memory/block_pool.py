@@ -27,7 +27,7 @@ Policy, and why:
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -122,6 +122,10 @@ class BlockPool:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
+    def is_shared(self, block_id: int) -> bool:
+        """More than one block table holds this (valid) block."""
+        return self._ref_counts[block_id] > 1
+
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable_ids
 
@@ -136,6 +140,11 @@ class BlockPool:
     # ----------------------------------------------------------- allocate/free
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks, each with ref_count 1; all or nothing."""
+        if num_blocks == 1 and self._fresh_free_ids:  # the decode hot path
+            block_id = self._fresh_free_ids.pop()
+            self._ref_counts[block_id] = 1
+            self._num_allocations += 1
+            return [block_id]
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_allocatable_blocks:
@@ -160,19 +169,37 @@ class BlockPool:
 
         Pass a sequence's blocks tail first: cached blocks then join the LRU list tail first
         and are evicted before the prefix blocks other requests are likelier to reuse.
+        All or nothing: on an unknown id or a double free every drop is undone, then it raises.
         """
-        block_ids = list(block_ids)
-        for block_id, num_drops in Counter(block_ids).items():
-            self._check_id(block_id)
-            if self._ref_counts[block_id] < num_drops:
-                raise InvalidBlockError(
-                    f"cannot free block {block_id} {num_drops} time(s): its ref_count is "
-                    f"{self._ref_counts[block_id]}"
-                )
+        ref_counts = self._ref_counts
+        if type(block_ids) is list and len(block_ids) == 1:  # the decode hot path
+            block_id = block_ids[0]
+            if type(block_id) is int and 0 <= block_id < self.num_blocks and ref_counts[block_id]:
+                ref_counts[block_id] -= 1
+                if ref_counts[block_id] == 0:
+                    self._release(block_id)
+                return
+        dropped: list[int] = []
+        released: list[int] = []  # each id once: at the drop that reached zero
         for block_id in block_ids:
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._release(block_id)
+            if not (type(block_id) is int and 0 <= block_id < self.num_blocks):
+                self._undo_drops(dropped)
+                self._check_id(block_id)
+            if ref_counts[block_id] == 0:
+                self._undo_drops(dropped)
+                raise InvalidBlockError(
+                    f"cannot free block {block_id}: it holds no reference to drop (double free)"
+                )
+            ref_counts[block_id] -= 1
+            dropped.append(block_id)
+            if ref_counts[block_id] == 0:
+                released.append(block_id)
+        for block_id in released:
+            self._release(block_id)
+
+    def _undo_drops(self, dropped: list[int]) -> None:
+        for block_id in dropped:
+            self._ref_counts[block_id] += 1
 
     def _release(self, block_id: int) -> None:
         self._num_filled_slots_in_use -= self._num_filled_slots[block_id]

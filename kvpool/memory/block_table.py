@@ -91,7 +91,7 @@ class BlockTable:
 
     def _last_block_needs_copy(self) -> bool:
         return (
-            self.num_tokens % self.block_size != 0 and self.pool.ref_count(self.block_ids[-1]) > 1
+            self.num_tokens % self.block_size != 0 and self.pool.is_shared(self.block_ids[-1])
         )
 
     # ------------------------------------------------------------------ growth
@@ -105,7 +105,8 @@ class BlockTable:
         """
         if not token_ids:
             return []
-        copies = self._grow(self.num_blocks_to_append(len(token_ids)))
+        num_new_blocks = self.num_blocks_to_append(len(token_ids))
+        copies = self._grow(num_new_blocks) if num_new_blocks else []
         first_new_block = len(self.token_ids) // self.block_size
         self.token_ids.extend(token_ids)
         for index in range(first_new_block, self.num_blocks):

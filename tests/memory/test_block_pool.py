@@ -43,6 +43,15 @@ def test_allocate_is_all_or_nothing():
     pool.check_invariants()
 
 
+def test_freeing_a_shared_block_twice_in_one_call_releases_it_once():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    (block,) = pool.allocate(1)
+    pool.retain([block])
+    pool.free([block, block])
+    assert pool.free_block_ids().count(block) == 1
+    pool.check_invariants()
+
+
 def test_shared_block_returns_only_when_last_reference_drops():
     pool = BlockPool(num_blocks=4, block_size=4)
     (block,) = pool.allocate(1)
@@ -59,9 +68,9 @@ def test_double_free_and_unknown_ids_raise_and_change_nothing():
     pool.allocate(2)
     pool.free([1])
     before = pool.stats()
-    with pytest.raises(InvalidBlockError, match="ref_count is 0"):
+    with pytest.raises(InvalidBlockError, match="double free"):
         pool.free([1])
-    with pytest.raises(InvalidBlockError, match="ref_count is 1"):
+    with pytest.raises(InvalidBlockError, match="double free"):
         pool.free([0, 0])  # the second drop would be a double free: nothing is freed
     with pytest.raises(InvalidBlockError, match="does not exist"):
         pool.free([0, 99])

@@ -96,7 +96,7 @@ def test_a_new_table_reuses_the_longest_cached_prefix(pool):
     first = BlockTable(pool)
     first.append_tokens(list(range(10)))
     second = BlockTable(pool)
-    assert second.take_cached_prefix(list(range(9)) + [99]) == 8
+    assert second.take_cached_prefix([*list(range(9)), 99]) == 8
     assert second.block_ids == [0, 1]
     assert [pool.ref_count(b) for b in (0, 1)] == [2, 2]
     second.append_tokens([8, 99])

@@ -10,7 +10,9 @@ from kvpool.memory.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_m
 
 
 def make_cache(dtype=torch.float32) -> KVCache:
-    return KVCache(num_blocks=6, num_layers=2, block_size=4, num_kv_heads=2, head_dim=3, dtype=dtype)
+    return KVCache(
+        num_blocks=6, num_layers=2, block_size=4, num_kv_heads=2, head_dim=3, dtype=dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
