@@ -51,7 +51,12 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0):
         keys = torch.randn(shape, generator=generator).to(dtype)
         values = torch.randn(shape, generator=generator).to(dtype)
         query = torch.randn(new, num_heads, HEAD_DIM, generator=generator).to(dtype)
-        write_kv(kv_layer, keys[:cached], values[:cached], torch.tensor(seq_slots[:cached], dtype=torch.int64))
+        write_kv(
+            kv_layer,
+            keys[:cached],
+            values[:cached],
+            torch.tensor(seq_slots[:cached], dtype=torch.int64),
+        )
         tables.append(table)
         queries.append(query)
         new_keys.append(keys[cached:])

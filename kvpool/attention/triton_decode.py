@@ -1,0 +1,317 @@
+"""Triton paged decode attention: one query token per sequence over its paged context.
+
+Work split (flash-decoding): one program per (sequence, KV head, split). The program loads the
+query rows of every query head that shares its KV head (GQA grouping: rows padded to at least
+16 for the tensor cores), then walks its range of the context in tiles of `block_n` tokens; each
+token's K/V row is gathered through the block table, so a tile may span several KV blocks or
+part of one. Each K/V tile is read once for the whole head group, with an online softmax in fp32
+(exp2, with the scale folded into log2 units).
+
+When a batch has too few (sequence, KV head) pairs to fill the GPU, the context is split into
+`num_splits` ranges whose partial results (normalised output + log-sum-exp) are merged by a
+second, small reduction kernel. `choose_num_splits` picks the split count from the batch size and
+the context length; with one split the first kernel writes the output directly.
+
+Invariants: every sequence has `seq_len >= 1`; `block_tables[i]` holds valid ids for its first
+`ceil(seq_len / block_size)` entries; the K/V of every context token is already in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's reduction costs more than its parallelism
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Tile shape and launch parameters of the decode kernel."""
+
+    block_n: int = 64  # context tokens per tile (a power of two, >= 16)
+    num_warps: int = 4
+    num_stages: int = 3  # sm_90: K/V tiles and block-table reads both go through cp.async
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = 64
+) -> int:
+    """How many context splits fill `num_sms` multiprocessors about twice over.
+
+    Splitting pays only while the batch alone leaves multiprocessors idle, and only for contexts
+    long enough that each split still streams at least `MIN_TOKENS_PER_SPLIT` tokens.
+    """
+    num_programs = num_seqs * num_kv_heads
+    if num_programs == 0:
+        return 1
+    wanted = math.ceil(2 * num_sms / num_programs)
+    by_length = max(1, max_seq_len // max(MIN_TOKENS_PER_SPLIT, block_n))
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+@triton.jit
+def _split_range(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of this split's context tokens; splits are whole tiles, the last one short."""
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split_id * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    return start, end
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    num_splits,
+    stride_q_token,
+    stride_q_head,
+    stride_kv_block,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_bt_seq,
+    stride_out_seq,
+    stride_out_head,
+    stride_out_split,
+    stride_lse_seq,
+    stride_lse_head,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split_id = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq_id)
+    start, end = _split_range(seq_len, split_id, num_splits, BLOCK_N)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_ptrs = query_ptr + seq_id * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    kv_head_ptr = kv_ptr + kv_head * stride_kv_head
+    block_table_ptr = block_tables_ptr + seq_id.to(tl.int64) * stride_bt_seq
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+        row_offsets = (
+            block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_slot
+        )
+        kv_ptrs = kv_head_ptr + row_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split folded nothing; it stores nothing below
+    out = acc / l_i[:, None]
+    out_ptrs = (
+        out_ptr
+        + seq_id * stride_out_seq
+        + heads[:, None] * stride_out_head
+        + split_id * stride_out_split
+        + dims[None, :]
+    )
+    # An empty split (start >= end) stores nothing; the reduction skips it by the same arithmetic.
+    store_rows = rows < tl.where(start < end, GROUP, 0)
+    store_mask = store_rows[:, None] & dim_mask[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    if IS_SPLIT:
+        lse_ptrs = lse_ptr + seq_id * stride_lse_seq + heads * stride_lse_head + split_id
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=store_rows)
+
+
+@triton.jit
+def _reduce_kernel(
+    partial_ptr,
+    lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    num_splits,
+    stride_partial_seq,
+    stride_partial_head,
+    stride_partial_split,
+    stride_lse_seq,
+    stride_lse_head,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program per (sequence, query head): merge the non-empty splits by their log-sum-exp.
+    seq_id = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq_id)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    num_used_splits = tl.cdiv(seq_len, tokens_per_split)
+
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_used_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    lse = tl.load(
+        lse_ptr + seq_id * stride_lse_seq + head * stride_lse_head + splits,
+        mask=split_mask,
+        other=float("-inf"),
+    )  # [BLOCK_S], log2 units
+    weights = tl.exp2(lse - tl.max(lse, axis=0))
+    partial_ptrs = (
+        partial_ptr
+        + seq_id * stride_partial_seq
+        + head * stride_partial_head
+        + splits[:, None] * stride_partial_split
+        + dims[None, :]
+    )
+    partial = tl.load(partial_ptrs, mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)  # [BLOCK_D]
+    out_ptrs = out_ptr + seq_id * stride_out_token + head * stride_out_head + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise go through TF32 on the GPU; 16-bit inputs ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter gains nothing from splits; tests force them explicitly
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's one query token over its whole paged context.
+
+    `max_seq_len` (a host int) drives the split heuristic; `num_splits` overrides it.
+    """
+    config = config or DecodeConfig()
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, cache_head_dim = kv_cache_layer.shape[3:]
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert query.stride(2) == 1 and kv_cache_layer.stride(4) == 1
+    out = torch.empty_like(query) if out is None else out
+    assert out.shape == query.shape and out.stride(2) == 1
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device), config.block_n
+        )
+    if num_splits == 1:
+        _launch_decode(query, kv_cache_layer, block_tables, seq_lens, scale, config, out, None)
+        return out
+    # [num_seqs, num_heads, num_splits, head_dim] outputs and [..., num_splits] log-sum-exps
+    partial = query.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32)
+    lse = query.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32)
+    _launch_decode(query, kv_cache_layer, block_tables, seq_lens, scale, config, partial, lse)
+    _reduce_kernel[(num_seqs, num_heads)](
+        partial,
+        lse,
+        seq_lens,
+        out,
+        num_splits,
+        *partial.stride()[:3],
+        *lse.stride()[:2],
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_N=config.block_n,
+        num_warps=4,
+    )
+    return out
+
+
+def _launch_decode(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    config: DecodeConfig,
+    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], or per split with `lse`
+    lse: torch.Tensor | None,  # [num_seqs, num_heads, num_splits] when split
+) -> None:
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    num_splits = 1 if lse is None else lse.shape[2]
+    group = num_heads // num_kv_heads
+    # Unsplit, the split dimension of `out` and the log-sum-exps do not exist: strides 0.
+    out_strides = out.stride()[:3] if lse is not None else (out.stride(0), out.stride(1), 0)
+    lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        kv_cache_layer,
+        block_tables,
+        seq_lens,
+        out,
+        out if lse is None else lse,
+        scale * LOG2_E,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        *kv_cache_layer.stride()[:4],
+        block_tables.stride(0),
+        *out_strides,
+        *lse_strides,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache_layer.shape[2],
+        BLOCK_N=config.block_n,
+        IS_SPLIT=lse is not None,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

@@ -1,0 +1,46 @@
+"""Timing and bandwidth helpers shared by the GPU benchmarks.
+
+On CUDA, kernels are timed with `triton.testing.do_bench` (CUDA events, the L2 cache flushed
+before every run, median of the runs), so a small working set is not measured out of L2. On the
+CPU (smoke runs only) a median of wall-clock runs stands in.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_seconds(
+    fn: Callable[[], object], device: torch.device, budget_ms: float = 60.0
+) -> float:
+    """Median run time of `fn` in seconds."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=max(5.0, budget_ms / 4), rep=budget_ms) / 1e3
+    fn()  # warm-up
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> dict[str, float]:
+    """Device-to-device copy rate, counting bytes read plus bytes written (the usual ceiling
+    for a memory-bound kernel: a kernel that only reads can stream at about this rate too)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, budget_ms=200.0)
+    return {"copy_nbytes": nbytes, "copy_seconds": seconds, "bytes_per_s": 2 * nbytes / seconds}

@@ -1,0 +1,564 @@
+"""The Triton kernels equal the torch reference (`TorchAttentionBackend`, torch `write_kv`).
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors. `TRITON_INTERPRET` is read
+when `@triton.jit` decorates a function (Triton's own library functions included), so this
+module sets it while it imports triton and the kernel modules — at collection, before any test
+runs — and then restores the environment, so no subprocess inherits it. Inside this process
+Triton stays in interpreter mode, the only mode its kernels can run in without CUDA. With CUDA
+nothing is switched: the same tests run the compiled kernels on the GPU, and the GPU-marked
+tests add realistic shapes in fp16/bf16 and a whole greedy generation against the torch backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kvpool.attention
+from kvpool.attention.metadata import AttentionMetadata
+from kvpool.attention.torch_ref import TorchAttentionBackend
+from kvpool.memory.kv_cache import write_kv as torch_write_kv
+
+KERNEL_MODULES = ("triton_decode", "triton_prefill", "triton_kv", "triton_backend")
+IS_INTERPRETED = not torch.cuda.is_available()
+DEVICE = "cpu" if IS_INTERPRETED else "cuda"
+
+
+def import_kernels_for_the_interpreter() -> None:
+    """Import triton and the kernel modules in interpreter mode, then restore the environment.
+
+    `triton.knobs.runtime.interpret` keeps the mode for Triton's later lazy imports (the knob
+    lives in this process; the environment variable would also reach subprocesses).
+    """
+    if "triton" in sys.modules:
+        from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(standard.cdiv, InterpretedFunction):
+            raise RuntimeError(
+                "triton was imported before these tests could enable its interpreter; "
+                "run tests/attention/test_triton_kernels.py in a process of its own"
+            )
+    for short in KERNEL_MODULES:  # drop compiled-mode copies, if any were imported
+        sys.modules.pop(f"kvpool.attention.{short}", None)
+        vars(kvpool.attention).pop(short, None)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+
+        triton.knobs.runtime.interpret = True
+        for short in KERNEL_MODULES:
+            importlib.import_module(f"kvpool.attention.{short}")
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+if IS_INTERPRETED:
+    import_kernels_for_the_interpreter()
+
+from kvpool.attention import (  # noqa: E402  (after the interpreter switch)
+    triton_backend,
+    triton_decode,
+    triton_kv,
+    triton_prefill,
+)
+
+
+@dataclass
+class Batch:
+    """A step's inputs: a paged cache holding every sequence's cached prefix, plus new tokens."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache_layer: torch.Tensor  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata
+    scale: float
+
+
+def make_batch(
+    seq_shapes: list[tuple[int, int]],
+    block_size: int,
+    num_kv_heads: int = 2,
+    group_size: int = 1,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    num_shared_blocks: int = 0,
+    device: str = DEVICE,
+    seed: int = 0,
+) -> Batch:
+    """seq_shapes: (num_cached_tokens, query_len) per sequence, decodes (query_len 1) first.
+
+    Physical blocks are shuffled; unused slots hold random garbage the kernels must mask out.
+    The first `num_shared_blocks` logical blocks of every sequence are the same physical blocks
+    (a prefix-cache hit), so every cached prefix must cover them.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    num_seq_blocks = [-(-(cached + new) // block_size) for cached, new in seq_shapes]
+    num_blocks = sum(num_seq_blocks) + 4
+    free_ids = list(range(num_blocks))
+    random.Random(seed).shuffle(free_ids)
+    shared_ids = [free_ids.pop() for _ in range(num_shared_blocks)]
+    shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+    kv_cache_layer = torch.randn(shape, generator=generator).to(dtype)
+    tables, slots = [], []
+    for (cached, new), num_seq_block in zip(seq_shapes, num_seq_blocks, strict=True):
+        assert cached >= num_shared_blocks * block_size
+        table = shared_ids + [free_ids.pop() for _ in range(num_seq_block - num_shared_blocks)]
+        tables.append(table)
+        positions = range(cached, cached + new)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in positions)
+    num_tokens = len(slots)
+    num_heads = num_kv_heads * group_size
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    metadata = AttentionMetadata.build(
+        query_lens=[new for _, new in seq_shapes],
+        seq_lens=[cached + new for cached, new in seq_shapes],
+        block_tables=tables,
+        slot_mapping=slots,
+        block_size=block_size,
+        device=device,
+    )
+    return Batch(
+        query.to(device),
+        key.to(device),
+        value.to(device),
+        kv_cache_layer.to(device),
+        metadata,
+        scale=head_dim**-0.5,
+    )
+
+
+def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and updated cache from the torch backend (on a copy of the cache)."""
+    kv_cache_layer = batch.kv_cache_layer.clone()
+    out = TorchAttentionBackend().forward(
+        batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale
+    )
+    return out, kv_cache_layer
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+# ---------------------------------------------------------------- KV write and block copy
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_write_kv_equals_torch(block_size):
+    batch = make_batch([(3, 1), (0, 11), (block_size, 5)], block_size, num_kv_heads=3)
+    expected = batch.kv_cache_layer.clone()
+    torch_write_kv(expected, batch.key, batch.value, batch.metadata.slot_mapping)
+    actual = batch.kv_cache_layer.clone()
+    triton_kv.write_kv(actual, batch.key, batch.value, batch.metadata.slot_mapping)
+    assert torch.equal(actual, expected)
+
+
+def test_write_kv_reads_strided_inputs_into_a_layer_view():
+    # K and V as views of a fused qkv projection; the cache layer as a view of the 6-D tensor.
+    num_tokens, num_kv_heads, head_dim, block_size = 5, 2, 16, 8
+    qkv = torch.randn(num_tokens, 4 * num_kv_heads * head_dim, device=DEVICE)
+    key = qkv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    cache = torch.zeros(4, 3, 2, block_size, num_kv_heads, head_dim, device=DEVICE)
+    slots = torch.tensor([0, 9, 10, 31, 17], device=DEVICE)
+    expected = cache.clone()
+    torch_write_kv(expected[:, 1], key, value, slots)
+    triton_kv.write_kv(cache[:, 1], key, value, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_of_no_tokens_changes_nothing():
+    cache = torch.randn(2, 2, 8, 1, 16, device=DEVICE)
+    before = cache.clone()
+    empty = torch.empty(0, 1, 16, device=DEVICE)
+    triton_kv.write_kv(cache, empty, empty, torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_copy_blocks_copies_whole_blocks(layer):
+    cache = torch.randn(
+        6, 3, 2, 8, 2, 16, device=DEVICE
+    )  # [blocks, layers, 2, block_size, heads, dim]
+    target = cache if layer is None else cache[:, layer]
+    expected = cache.clone()
+    expected_target = expected if layer is None else expected[:, layer]
+    expected_target[[4, 0]] = expected_target[[1, 3]]
+    triton_kv.copy_blocks(target, [1, 3], [4, 0])
+    assert torch.equal(cache, expected)
+
+
+def test_copy_blocks_rejects_overlapping_copies():
+    cache = torch.randn(4, 1, 2, 8, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="distinct"):
+        triton_kv.copy_blocks(cache, [0, 1], [1, 2])
+    with pytest.raises(ValueError, match="same length"):
+        triton_kv.copy_blocks(cache, [0], [1, 2])
+    triton_kv.copy_blocks(cache, [], [])  # nothing to do
+
+
+# ---------------------------------------------------------------- decode
+
+DECODE_SEQS = [
+    (0, 1),  # the very first token: a one-token context
+    (6, 1),  # context ends mid-block
+    (31, 1),  # ends on a block boundary for block sizes 8, 16 and 32
+    (70, 1),  # several tiles
+]
+
+
+def run_decode(batch: Batch, **kwargs) -> torch.Tensor:
+    """The decode kernel over a cache that already holds the new tokens' K/V."""
+    torch_write_kv(batch.kv_cache_layer, batch.key, batch.value, batch.metadata.slot_mapping)
+    metadata = batch.metadata
+    return triton_decode.paged_decode(
+        batch.query,
+        batch.kv_cache_layer,
+        metadata.block_tables,
+        metadata.seq_lens,
+        batch.scale,
+        max_seq_len=metadata.max_seq_len,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group_size", [1, 4, 8])
+def test_decode_equals_reference(block_size, group_size):
+    batch = make_batch(DECODE_SEQS, block_size, group_size=group_size)
+    expected, _ = reference(batch)
+    assert_close(run_decode(batch), expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_split_decode_equals_reference(num_splits, block_n):
+    # With 8 splits a 7-token context leaves most splits empty; the reduction must skip them.
+    batch = make_batch([(6, 1), (70, 1), (0, 1), (100, 1)], 16, group_size=4)
+    expected, _ = reference(batch)
+    config = triton_decode.DecodeConfig(block_n=block_n)
+    actual = run_decode(batch, num_splits=num_splits, config=config)
+    assert_close(actual, expected, torch.float32)
+
+
+def test_decode_tiles_smaller_than_blocks():
+    batch = make_batch([(40, 1), (77, 1)], 64, group_size=2)
+    expected, _ = reference(batch)
+    config = triton_decode.DecodeConfig(block_n=16)
+    assert_close(run_decode(batch, config=config), expected, torch.float32)
+
+
+def test_decode_over_shared_prefix_blocks():
+    batch = make_batch([(20, 1), (17, 1), (33, 1)], 8, group_size=4, num_shared_blocks=2)
+    expected, _ = reference(batch)
+    assert_close(run_decode(batch, num_splits=2), expected, torch.float32)
+
+
+def test_decode_with_head_dim_not_a_power_of_two():
+    batch = make_batch([(9, 1), (30, 1)], 8, group_size=3, head_dim=24)
+    expected, _ = reference(batch)
+    assert_close(run_decode(batch, num_splits=2), expected, torch.float32)
+
+
+def test_decode_of_no_sequences_returns_empty():
+    query = torch.empty(0, 4, 16, device=DEVICE)
+    cache = torch.zeros(2, 2, 8, 1, 16, device=DEVICE)
+    out = triton_decode.paged_decode(
+        query,
+        cache,
+        torch.zeros(0, 1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(0, dtype=torch.int32, device=DEVICE),
+        1.0,
+        max_seq_len=0,
+    )
+    assert out.shape == (0, 4, 16)
+
+
+def test_choose_num_splits():
+    choose = triton_decode.choose_num_splits
+    # 132 SMs (H100/H200), 8 KV heads: batch 1 at 8k splits 32 ways (8192 / 256 tokens).
+    assert choose(1, 8, 8192, num_sms=132) == 32
+    assert choose(1, 8, 512, num_sms=132) == 2  # short context: at most 512 / 256 splits
+    assert choose(16, 8, 8192, num_sms=132) == 3  # ceil(264 / 128)
+    assert choose(64, 8, 8192, num_sms=132) == 1  # 512 programs already fill the GPU
+    assert choose(1, 1, 10**6, num_sms=132) == 64  # capped at MAX_SPLITS
+    assert choose(0, 8, 0, num_sms=132) == 1
+
+
+def test_configs_reject_bad_tiles():
+    with pytest.raises(ValueError, match="block_n"):
+        triton_decode.DecodeConfig(block_n=48)
+    with pytest.raises(ValueError, match="block_m"):
+        triton_prefill.PrefillConfig(block_m=8)
+
+
+# ---------------------------------------------------------------- prefill / extend
+
+PREFILL_SEQS = [
+    (0, 9),  # prefill from scratch, ends mid-block
+    (5, 7),  # extend from a cached prefix that ends mid-block
+    (16, 16),  # extend from a block-aligned prefix
+    (0, 1),  # a one-token prompt
+    (40, 1),  # a one-token extend (a chunk boundary)
+    (3, 45),  # a long query over several query tiles
+]
+
+
+def run_prefill(batch: Batch, **kwargs) -> torch.Tensor:
+    torch_write_kv(batch.kv_cache_layer, batch.key, batch.value, batch.metadata.slot_mapping)
+    metadata = batch.metadata
+    return triton_prefill.paged_prefill(
+        batch.query,
+        batch.kv_cache_layer,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_tables,
+        batch.scale,
+        max_query_len=metadata.max_query_len,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group_size", [1, 4, 8])
+def test_prefill_equals_reference(block_size, group_size):
+    batch = make_batch(PREFILL_SEQS, block_size, group_size=group_size)
+    expected, _ = reference(batch)
+    assert_close(run_prefill(batch), expected, torch.float32)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (32, 64), (64, 16)])
+def test_prefill_tile_shapes(block_m, block_n):
+    batch = make_batch([(0, 33), (21, 19), (64, 3)], 16, group_size=4)
+    expected, _ = reference(batch)
+    config = triton_prefill.PrefillConfig(block_m=block_m, block_n=block_n)
+    assert_close(run_prefill(batch, config=config), expected, torch.float32)
+
+
+def test_prefill_from_shared_prefix_blocks():
+    # Two requests whose first 3 blocks are one prefix-cache hit, each extending past it.
+    batch = make_batch([(24, 10), (27, 5)], 8, group_size=4, num_shared_blocks=3)
+    expected, _ = reference(batch)
+    assert_close(run_prefill(batch), expected, torch.float32)
+
+
+def test_prefill_with_odd_group_and_head_dim():
+    batch = make_batch([(4, 13), (0, 20)], 8, group_size=3, head_dim=24)
+    expected, _ = reference(batch)
+    assert_close(run_prefill(batch), expected, torch.float32)
+
+
+# ---------------------------------------------------------------- the backend
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("group_size", [1, 4, 8])
+def test_backend_mixed_batch_equals_torch_backend(block_size, group_size):
+    seq_shapes = [(0, 1), (12, 1), (63, 1), (0, 10), (9, 6), (32, 17)]
+    batch = make_batch(seq_shapes, block_size, group_size=group_size, seed=block_size)
+    expected, expected_cache = reference(batch)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale
+    )
+    assert_close(actual, expected, torch.float32)
+    assert torch.equal(batch.kv_cache_layer, expected_cache)
+
+
+@pytest.mark.parametrize("seq_shapes", [[(5, 1), (0, 1)], [(0, 4), (7, 2)]])
+def test_backend_all_decode_or_all_prefill(seq_shapes):
+    batch = make_batch(seq_shapes, 8, group_size=2)
+    expected, _ = reference(batch)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale
+    )
+    assert_close(actual, expected, torch.float32)
+
+
+def test_backend_over_a_layer_of_the_whole_cache():
+    # The model passes kv[:, layer], strided across blocks; the other layers stay untouched.
+    batch = make_batch([(10, 1), (3, 6)], 8, group_size=4)
+    whole = torch.randn(
+        batch.kv_cache_layer.shape[0], 3, *batch.kv_cache_layer.shape[1:], device=DEVICE
+    )
+    whole[:, 1] = batch.kv_cache_layer
+    expected_whole = whole.clone()
+    expected, expected_whole[:, 1] = reference(batch)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, whole[:, 1], batch.metadata, batch.scale
+    )
+    assert_close(actual, expected, torch.float32)
+    assert torch.equal(whole, expected_whole)
+
+
+def test_backend_with_an_empty_batch():
+    metadata = AttentionMetadata.build([], [], [], [], block_size=8)
+    cache = torch.randn(2, 2, 8, 1, 16, device=DEVICE)
+    empty_q, empty_kv = torch.empty(0, 2, 16, device=DEVICE), torch.empty(0, 1, 16, device=DEVICE)
+    out = triton_backend.TritonAttentionBackend().forward(
+        empty_q, empty_kv, empty_kv, cache, metadata, 0.25
+    )
+    assert out.shape == (0, 2, 16)
+
+
+# ---------------------------------------------------------------- compiled for a real GPU
+
+COMPILE_SCRIPT = """
+import dataclasses, json, sys
+from kvpool.attention.triton_compile import compile_all
+builds = compile_all(*json.loads(sys.argv[1]))
+print(json.dumps([dataclasses.asdict(build) for build in builds]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "group_size", "block_size"),
+    [("bfloat16", 128, 4, 16), ("float16", 64, 8, 32)],
+)
+def test_kernels_compile_for_sm90_without_spills(dtype, head_dim, group_size, block_size):
+    # A fresh process: this one imported triton in interpreter mode.
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    args = json.dumps([dtype, head_dim, group_size, block_size, 90])
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    builds = {build["name"]: build for build in json.loads(result.stdout.splitlines()[-1])}
+    assert set(builds) == {"decode", "decode_split", "decode_reduce", "prefill", "write_kv"} | {
+        "copy_blocks"
+    }
+    for build in builds.values():
+        assert build["local_bytes"] == 0, build  # no register spills
+        assert build["shared_bytes"] <= 227 * 1024, build  # sm_90's limit per program
+    for name in ("decode", "decode_split", "prefill"):
+        assert builds[name]["has_async_copies"], builds[name]  # K/V gathers are 16-byte copies
+
+
+# ---------------------------------------------------------------- GPU: realistic shapes
+
+NO_CUDA = "needs a CUDA device"
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(IS_INTERPRETED, reason=NO_CUDA)(test))
+
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+GPU_BLOCK_SIZES = [8, 16, 32, 64, 128]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", GPU_BLOCK_SIZES)
+def test_gpu_decode_realistic(dtype, head_dim, block_size):
+    lengths = [1, 17, 300, 1000, 2049, 4000, 513, 64]
+    batch = make_batch([(n - 1, 1) for n in lengths], block_size, 8, 4, head_dim, dtype, seed=3)
+    expected, _ = reference(batch)
+    assert_close(run_decode(batch), expected, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("num_splits", [None, 7, 32])
+def test_gpu_split_decode_long_context(dtype, num_splits):
+    batch = make_batch([(8191, 1), (5000, 1)], 16, 8, 4, 128, dtype, seed=4)
+    expected, _ = reference(batch)
+    assert_close(run_decode(batch, num_splits=num_splits), expected, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", GPU_BLOCK_SIZES)
+def test_gpu_prefill_realistic(dtype, head_dim, block_size):
+    seq_shapes = [(0, 700), (256, 300), (1000, 1), (37, 129), (0, 2)]
+    batch = make_batch(seq_shapes, block_size, 8, 4, head_dim, dtype, seed=5)
+    expected, _ = reference(batch)
+    assert_close(run_prefill(batch), expected, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [*GPU_DTYPES, torch.float32])
+@pytest.mark.parametrize("group_size", [1, 4, 8])
+def test_gpu_backend_mixed_batch(dtype, group_size):
+    seq_shapes = [(100, 1), (2000, 1), (0, 1), (0, 333), (480, 64), (16, 1000)]
+    batch = make_batch(seq_shapes, 16, 4, group_size, 128, dtype, seed=6)
+    expected, expected_cache = reference(batch)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale
+    )
+    assert_close(actual, expected, dtype)
+    assert torch.equal(batch.kv_cache_layer, expected_cache)
+
+
+@gpu
+def test_gpu_copy_blocks_of_a_large_cache():
+    cache = torch.randn(64, 32, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    expected = cache.clone()
+    expected[[5, 9, 40]] = expected[[1, 2, 3]]
+    triton_kv.copy_blocks(cache, [1, 2, 3], [5, 9, 40])
+    assert torch.equal(cache, expected)
+
+
+def greedy_tokens(backend: str, preset: str, dtype: str) -> list[list[int]]:
+    """Greedy continuations of prompts that share a prefix (prefix caching); a small token
+    budget per step mixes chunked prefills with decodes."""
+    from kvpool import LLM, SamplingParams
+
+    shared = [(7 * i) % 500 + 1 for i in range(40)]
+    prompts = [
+        {"prompt_token_ids": [*shared, 11, 12, 13]},
+        {"prompt_token_ids": [*shared, 21]},
+        {"prompt_token_ids": [5, 6, 7]},
+        {"prompt_token_ids": [(13 * i) % 500 + 1 for i in range(150)]},
+    ]
+    llm = LLM(
+        model=preset,
+        load_format="dummy",
+        dtype=dtype,
+        device=DEVICE,
+        attention_backend=backend,
+        kv_cache_memory=1 << 28,
+        max_num_batched_tokens=64,
+    )
+    assert llm.engine.runner.model.attention_backend.name == backend
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def test_greedy_generation_equals_torch_backend():
+    # The tiny preset (2 layers, head_dim 16): fast enough for the interpreter.
+    expected = greedy_tokens("torch", "tiny", "float32")
+    assert greedy_tokens("triton", "tiny", "float32") == expected
+    assert all(len(ids) == 12 for ids in expected)
+
+
+@gpu
+def test_gpu_greedy_generation_equals_torch_backend():
+    # Dummy SmolLM2-shaped weights (GQA 9:3, head_dim 64) in fp32, so tokens agree exactly.
+    expected = greedy_tokens("torch", "smollm2-135m", "float32")
+    assert greedy_tokens("triton", "smollm2-135m", "float32") == expected
