@@ -14,7 +14,10 @@ from importlib import import_module
 
 SUBCOMMAND_MODULES = (
     "kvpool.demo",
+    "kvpool.commands.generate",
+    "kvpool.commands.chat",
     "kvpool.bench.cli",
+    "kvpool.sim.cli",
 )
 
 

@@ -1,0 +1,1 @@
+"""The user-facing commands of the `kvpool` CLI that run the engine: generate, chat."""

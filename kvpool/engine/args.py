@@ -1,0 +1,112 @@
+"""Command-line flags for the engine, with vLLM's names, shared by every command that runs it.
+
+Light on purpose (no torch): commands register these flags when `kvpool --help` builds its
+parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+from kvpool.engine.config import ATTENTION_BACKENDS, EngineConfig
+from kvpool.engine.sampling_params import SamplingParams
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """`512MiB`, `1.5GB`, `65536` -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 1GB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Add the engine flags; the model is `--model`, or a positional MODEL (as `vllm serve`)."""
+    group = parser.add_argument_group("engine")
+    if model_positional:
+        group.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="GGUF file, HF directory or dummy preset (default: SmolLM2)",
+        )
+    else:
+        group.add_argument(
+            "--model",
+            default=None,
+            help="GGUF file, HF directory or dummy preset (default: SmolLM2)",
+        )
+    group.add_argument(
+        "--load-format", default="auto", choices=("auto", "gguf", "safetensors", "dummy")
+    )
+    group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    group.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (over memory)")
+    group.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV cache size, e.g. 512MiB (CPU default 2GiB)",
+    )
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    group.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """An EngineConfig from the parsed flags (ValueError, with the field named, if invalid)."""
+    names = {field.name for field in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("-n", type=int, default=1, help="completions per prompt")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--sampling-seed", type=int, default=None)
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )

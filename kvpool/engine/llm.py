@@ -1,0 +1,133 @@
+"""The offline API, shaped like vLLM's so code can switch by changing an import:
+
+from kvpool import LLM, SamplingParams
+llm = LLM()                                          # the bundled SmolLM2-135M-Instruct
+outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+outs = llm.chat([{"role": "user", "content": "Hi"}], params)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import LLMEngine, PromptInput
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.model.tokenizer import Tokenizer
+
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """Batch generation over the engine; engine options are `EngineConfig` fields."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def memory_stats(self) -> BlockPoolStats:
+        """The block pool's snapshot: used, free, cached blocks, hits, evictions…"""
+        return self.engine.memory_stats()
+
+    def generate(
+        self,
+        prompts: PromptInput | SequenceOf[PromptInput],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is text, or {"prompt_token_ids": [...]}. If any prompt is invalid, ValueError
+        names it and nothing runs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params_list, cache_salt)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: SequenceOf[Message] | SequenceOf[SequenceOf[Message]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [
+            {
+                "prompt": tokenizer.apply_chat_template(
+                    conv, add_generation_prompt, tokenize=False
+                ),
+                "prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt),
+            }
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_all(
+        self,
+        prompts: list[PromptInput],
+        params: list[SamplingParams],
+        cache_salt: str | None,
+    ) -> list[str]:
+        request_ids: list[str] = []
+        try:
+            for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+                try:
+                    request = self.engine.add_request(prompt, prompt_params, cache_salt=cache_salt)
+                except ValueError as error:
+                    raise ValueError(f"prompt {index}: {error}") from error
+                request_ids.append(request.request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return request_ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm)
+        num_output_tokens = 0
+        with progress:
+            while pending and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        progress.update(1)
+                        rate = num_output_tokens / max(progress.format_dict["elapsed"], 1e-9)
+                        progress.set_postfix(output_tok_s=f"{rate:.1f}")
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | SequenceOf[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    return list(prompts)
+
+
+def _as_params_list(
+    params: SamplingParams | SequenceOf[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
+    return list(params)

@@ -1,0 +1,122 @@
+"""A request and the sequences (one per sampled completion) it owns.
+
+A sequence's tokens are its prompt followed by its outputs. `num_computed_tokens` of them have
+KV in the cache; the rest are computed by coming steps:
+
+    tokens:      [ prompt ........................ | out0 out1 out2 ]
+    computed:    [ cached prefix | earlier chunks  ....... | ]          <- one token left: decode
+    block_table: slots for exactly the computed tokens (between steps)
+
+Prefill, chunked prefill, decode and recomputation after preemption are one rule: each step
+computes some of `tokens[num_computed_tokens:]`, and when it reaches the end the step's logits
+sample the next output token.
+
+Invariants: `0 <= num_computed_tokens <= num_tokens`; between steps
+`block_table.num_tokens == num_computed_tokens`; a finished sequence holds no blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.memory.block_table import BlockTable
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.engine.outputs import Logprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV dropped: it will be recomputed
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, max_model_len, or the whole KV pool
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion of a request: its tokens, its block table, its progress."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n completions
+    block_table: BlockTable
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    detokenizer: object | None = None  # an IncrementalDetokenizer when text is produced
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.request.priority, self.request.arrival_time, self.seq_id)
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Tokens start..end-1 of prompt + outputs, without building the whole list."""
+        prompt = self.request.prompt_token_ids
+        end = self.num_tokens if end is None else end
+        if end <= len(prompt):
+            return prompt[start:end]
+        outputs = self.output_token_ids[max(start - len(prompt), 0) : end - len(prompt)]
+        return prompt[start:] + outputs if start < len(prompt) else outputs
+
+
+@dataclass(eq=False)
+class Request:
+    """What a caller asked for: one prompt, its sampling rules, and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, set at admission
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def needs_fork(self) -> bool:
+        """True until the prompt's prefill has produced all n sequences."""
+        return len(self.sequences) < self.params.n
+
+    @property
+    def is_finished(self) -> bool:
+        # A request aborted before its prompt finished never forks: its one sequence decides.
+        return all(seq.is_finished for seq in self.sequences)
