@@ -30,50 +30,6 @@ TARGETS = {
 }
 
 
-class _Unavailable:
-    """Stands in for anything from a missing package; fails only when actually used."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attribute: str) -> _Unavailable:
-        if attribute.startswith("__"):
-            raise AttributeError(attribute)
-        return _Unavailable(f"{self._name}.{attribute}")
-
-    def __call__(self, *args: object, **kwargs: object) -> None:
-        raise ImportError(f"{self._name} is unavailable: its package is not installed")
-
-
-def allow_missing_gguf() -> bool:
-    """Let the engine import without the `gguf` package (absent on the GPU machines here).
-
-    Dummy weights never read a GGUF file, but `kvpool.model.loaders` imports `gguf` at import
-    time; placeholders make that import succeed and fail loudly only if GGUF is really used.
-    Returns True when the placeholders were installed.
-    """
-    import importlib.util
-    import types
-
-    if importlib.util.find_spec("gguf") is not None:
-        return False
-
-    def placeholder_getattr(module_name: str):
-        def getattr_(attribute: str) -> _Unavailable:
-            if attribute.startswith("__"):  # module protocol lookups (__file__, __path__…)
-                raise AttributeError(attribute)
-            return _Unavailable(f"{module_name}.{attribute}")
-
-        return getattr_
-
-    for name in ("gguf", "gguf.quants"):
-        module = types.ModuleType(name)
-        module.__getattr__ = placeholder_getattr(name)
-        sys.modules[name] = module
-    print("gguf is not installed: placeholders installed (dummy weights do not need it)")
-    return True
-
-
 def _device():
     import torch
 
@@ -142,20 +98,14 @@ def _workload(smoke: bool):
 def step_engine(args: argparse.Namespace) -> dict:
     from kvpool.bench.generation import run_engine
 
-    gguf_placeholder = allow_missing_gguf()
     bandwidth = _bandwidth(args.out, args.smoke)
-    result = run_engine(_workload(args.smoke), _device(), args.attention_backend, bandwidth)
-    return {**result, "gguf_placeholder": gguf_placeholder}
+    return run_engine(_workload(args.smoke), _device(), args.attention_backend, bandwidth)
 
 
 def step_hf(args: argparse.Namespace) -> dict:
     from kvpool.bench.generation import run_transformers
 
-    gguf_placeholder = allow_missing_gguf()
-    return {
-        **run_transformers(_workload(args.smoke), _device()),
-        "gguf_placeholder": gguf_placeholder,
-    }
+    return run_transformers(_workload(args.smoke), _device())
 
 
 def step_summary(args: argparse.Namespace) -> dict:

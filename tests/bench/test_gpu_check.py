@@ -164,23 +164,18 @@ def test_targets_pass_and_fail():
     assert gpu_check.check_targets({})["attention_max_time_vs_sdpa"]["passed"] is None
 
 
-def test_missing_gguf_gets_placeholders_that_fail_on_use(monkeypatch):
-    import importlib.util
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, package=None: None if name == "gguf" else real_find_spec(name, package),
+def test_dummy_weights_need_no_gguf_package():
+    """The GPU machines have no `gguf`: the engine must import and run dummy weights without it
+    (a blocked import makes any `import gguf` raise)."""
+    code = (
+        "import sys; sys.modules['gguf'] = None\n"
+        "from kvpool import LLM, SamplingParams\n"
+        "llm = LLM(model='tiny', load_format='dummy', kv_cache_memory=1 << 22)\n"
+        "out = llm.generate({'prompt_token_ids': [1, 2, 3]},\n"
+        "                   SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),\n"
+        "                   use_tqdm=False)\n"
+        "assert len(out[0].outputs[0].token_ids) == 3\n"
+        "assert sys.modules['gguf'] is None\n"
     )
-    for name in ("gguf", "gguf.quants"):  # put back as they were (or removed) after the test
-        monkeypatch.setitem(sys.modules, name, None)
-    assert gpu_check.allow_missing_gguf()
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    with pytest.raises(ImportError, match=r"gguf\.GGUFReader is unavailable"):
-        GGUFReader("model.gguf")
-    with pytest.raises(ImportError, match=r"gguf\.quants\.dequantize"):
-        dequantize()
-    assert not hasattr(sys.modules["gguf"], "__file__")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,229 @@
+"""The Llama-family model (Llama 2/3, Mistral, SmolLM2, Qwen2) in PyTorch, over a paged KV cache.
+
+Inputs are flat: the new tokens of every sequence in the step, concatenated with no padding, with
+their absolute positions. Attention goes through an `AttentionBackend` given at construction;
+layer i hands the backend `kv_cache[:, i]` plus the step's `AttentionMetadata`, so nothing about
+the batch reaches attention through globals. Logits are computed only for `logits_indices`.
+`forward` runs under `torch.inference_mode()`: this model serves, it never trains.
+
+Weights: parameters are allocated empty (no random init) in the requested dtype and device and
+filled by `load_weights` from *checkpoint names* (HuggingFace names without the `model.` prefix,
+e.g. `layers.0.self_attn.q_proj.weight`). Q/K/V and gate/up are stored fused, one matmul each;
+`load_weights` copies each checkpoint tensor into its slice of the fused parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.attention.backend import AttentionBackend
+from kvpool.attention.metadata import AttentionMetadata
+from kvpool.model.config import ModelConfig
+from kvpool.model.rope import apply_rotary, cos_sin_cache
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, as the reference implementation does, then scale in x's dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, backend: AttentionBackend,
+        dtype: torch.dtype, device: torch.device | str,
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.backend = backend
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_weight = _empty(qkv_size, config.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (
+            _empty(qkv_size, dtype=dtype, device=device) if config.attention_bias else None
+        )
+        self.o_weight = _empty(config.hidden_size, self.q_size, dtype=dtype, device=device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, qkv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(
+            q, k, v, kv_cache[:, self.layer_id], metadata, self.scale
+        )  # [num_tokens, num_heads, head_dim]
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_weight = _empty(
+            2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.down_weight = _empty(
+            config.hidden_size, config.intermediate_size, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, backend: AttentionBackend,
+        dtype: torch.dtype, device: torch.device | str,
+    ):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = Attention(config, layer_id, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, `num_layers` pre-norm decoder layers, final norm, LM head (tied or not)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention_backend: AttentionBackend,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.attention_backend = attention_backend
+        vocab_shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = _empty(*vocab_shape, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, attention_backend, dtype, device)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _empty(*vocab_shape, dtype=dtype, device=device)
+        )
+        cos, sin = cos_sin_cache(
+            config.head_dim, config.rope_theta, config.max_position_embeddings,
+            config.rope_scaling, device,
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_samples] int64: rows of the batch to sample from
+    ) -> torch.Tensor:  # [num_samples, vocab_size] float32
+        hidden = F.embedding(token_ids, self.embed_tokens)  # [num_tokens, hidden_size]
+        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        hidden = self.norm(hidden[logits_indices])  # norm is per row: select first
+        return F.linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------- weights
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the (view of the) parameter it fills."""
+        targets = {"embed_tokens.weight": self.embed_tokens, "norm.weight": self.norm.weight}
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            prefix = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = attn.q_size, attn.kv_size, attn.kv_size
+            for norm_name in ("input_layernorm", "post_attention_layernorm"):
+                targets[prefix + norm_name + ".weight"] = getattr(layer, norm_name).weight
+            for kind, fused in (("weight", attn.qkv_weight), ("bias", attn.qkv_bias)):
+                if fused is None:
+                    continue
+                q_part, k_part, v_part = fused.split([q, k, v], dim=0)
+                targets[prefix + f"self_attn.q_proj.{kind}"] = q_part
+                targets[prefix + f"self_attn.k_proj.{kind}"] = k_part
+                targets[prefix + f"self_attn.v_proj.{kind}"] = v_part
+            targets[prefix + "self_attn.o_proj.weight"] = attn.o_weight
+            gate, up = mlp.gate_up_weight.split(mlp.intermediate_size, dim=0)
+            targets[prefix + "mlp.gate_proj.weight"] = gate
+            targets[prefix + "mlp.up_proj.weight"] = up
+            targets[prefix + "mlp.down_proj.weight"] = mlp.down_weight
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (any dtype or device) into the parameters.
+
+        Raises ValueError naming the tensor for an unknown name, a shape mismatch, or a tensor
+        the model needs that `weights` never gave.
+        """
+        targets = self.checkpoint_tensors()
+        missing = set(targets)
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            shown = ", ".join(f"{n} {tuple(targets[n].shape)}" for n in sorted(missing)[:5])
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: {shown}")
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor a model of `config` needs, with its shape (no memory is used)."""
+    model = LlamaModel(config, attention_backend=None, device="meta")  # type: ignore[arg-type]
+    return {name: tuple(t.shape) for name, t in model.checkpoint_tensors().items()}

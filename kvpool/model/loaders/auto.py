@@ -1,0 +1,127 @@
+"""`load_model`: one entry point from "what the user named" to a ready model and tokenizer.
+
+`load_format` picks the source; "auto" decides from the path: a `.gguf` file (or a directory
+holding exactly one) is GGUF, a directory with `config.json` and `*.safetensors` is a HuggingFace
+checkpoint. Random weights are never chosen implicitly: `load_format="dummy"` takes a preset name,
+a `ModelConfig`, or a real model path (whose config is used), and None means the default model's
+shape.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kvpool.attention.backend import AttentionBackend
+from kvpool.model import default_model_path
+from kvpool.model.config import PRESETS, ModelConfig
+from kvpool.model.llama import LlamaModel
+from kvpool.model.loaders.base import LoadedModel, WeightLoader
+from kvpool.model.loaders.dummy import DummyLoader
+from kvpool.model.loaders.hf_dir import SafetensorsLoader, is_hf_directory
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+DEFAULT_DUMMY_PRESET = "smollm2-135m"
+
+ModelSource = str | Path | ModelConfig | None
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _gguf_file(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    candidates = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def detect_load_format(model: str | Path) -> str:
+    """"gguf" or "safetensors" for an existing path; ValueError otherwise."""
+    path = Path(model)
+    if not path.exists():
+        hint = " (a preset: pass load_format='dummy')" if str(model) in PRESETS else ""
+        raise ValueError(f"no such model file or directory: {model}{hint}")
+    if _gguf_file(path) is not None:
+        return "gguf"
+    if is_hf_directory(path):
+        return "safetensors"
+    raise ValueError(
+        f"cannot tell the format of {model}: expected a .gguf file, a directory holding one, "
+        "or a directory with config.json and *.safetensors"
+    )
+
+
+def make_loader(model: ModelSource, load_format: str = "auto", seed: int = 0) -> WeightLoader:
+    """The `WeightLoader` for `model` in `load_format` (None = the default SmolLM2 GGUF)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
+    if load_format == "dummy":
+        return DummyLoader(_dummy_config(model), seed)
+    if isinstance(model, ModelConfig):
+        raise ValueError("a ModelConfig has no weights: load it with load_format='dummy'")
+    path = Path(model) if model is not None else default_model_path()
+    if load_format == "auto":
+        load_format = detect_load_format(path)
+    if load_format == "gguf":
+        gguf_path = _gguf_file(path)
+        if gguf_path is None:
+            raise ValueError(f"{path} is not a .gguf file or a directory holding exactly one")
+        # Imported here: the `gguf` package is only needed to read GGUF files (GPU machines
+        # that load HF directories or dummy weights may not have it).
+        from kvpool.model.loaders.gguf_file import GGUFLoader
+
+        return GGUFLoader(gguf_path)
+    return SafetensorsLoader(path)
+
+
+def _dummy_config(model: ModelSource) -> ModelConfig:
+    if isinstance(model, ModelConfig):
+        return model
+    if model is None:
+        return ModelConfig.preset(DEFAULT_DUMMY_PRESET)
+    if str(model) in PRESETS:
+        return ModelConfig.preset(str(model))
+    if not Path(model).exists():
+        raise ValueError(f"{model!r} is neither a preset ({sorted(PRESETS)}) nor a model path")
+    return make_loader(model, "auto").load_config()
+
+
+def load_model(
+    model: ModelSource = None,
+    load_format: str = "auto",
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    attention_backend: AttentionBackend | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Build the model, fill its weights, and load its tokenizer.
+
+    `attention_backend` defaults to the torch reference backend. `seed` only affects dummy
+    weights.
+    """
+    start = time.perf_counter()
+    device = torch.device(device)
+    if attention_backend is None:
+        from kvpool.attention.torch_ref import TorchAttentionBackend
+
+        attention_backend = TorchAttentionBackend()
+    loader = make_loader(model, load_format, seed)
+    config = loader.load_config()
+    llama = LlamaModel(config, attention_backend, resolve_dtype(dtype), device)
+    llama.load_weights(loader.iter_weights(config, device))
+    llama.eval()
+    tokenizer = loader.load_tokenizer()
+    return LoadedModel(config, llama, tokenizer, time.perf_counter() - start)

@@ -1,0 +1,44 @@
+"""The `WeightLoader` protocol every weight source implements, and what loading returns.
+
+A loader reads one source (a GGUF file, a HuggingFace directory, random numbers) and answers
+three questions: the model's config, its weights as `(checkpoint name, tensor)` pairs, and the
+tokenizer that goes with them. Checkpoint names are HuggingFace's without the `model.` prefix
+(`embed_tokens.weight`, `layers.3.self_attn.q_proj.weight`, `lm_head.weight`); tensors are
+yielded one at a time so a loader never holds the whole model twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvpool.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvpool.model.llama import LlamaModel
+    from kvpool.model.tokenizer import Tokenizer
+
+
+class WeightLoader(Protocol):
+    """One source of a model's config, weights and tokenizer."""
+
+    def load_config(self) -> ModelConfig: ...
+
+    def iter_weights(
+        self, config: ModelConfig, device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint-named tensors in any float dtype, on `device` where that is cheaper."""
+        ...
+
+    def load_tokenizer(self) -> Tokenizer | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer | None  # None for dummy weights: prompts must then be token ids
+    load_seconds: float

@@ -1,0 +1,69 @@
+"""Weights, config and tokenizer from a HuggingFace model directory.
+
+Expected: `config.json`, one or more `*.safetensors` files (sharded or not) and, optionally,
+tokenizer files and `generation_config.json` (whose `eos_token_id` often lists more stop tokens
+than `config.json` does). Tensors stream one at a time from `safetensors.safe_open`, straight onto
+the target device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvpool.model.config import ModelConfig
+from kvpool.model.tokenizer import Tokenizer
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def is_hf_directory(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+class SafetensorsLoader:
+    """`WeightLoader` for a HuggingFace model directory."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        if not is_hf_directory(self.directory):
+            raise ValueError(
+                f"{self.directory} is not a HuggingFace model directory "
+                "(needs config.json and *.safetensors)"
+            )
+        self.hf_config: dict[str, Any] = json.loads((self.directory / "config.json").read_text())
+
+    def load_config(self) -> ModelConfig:
+        config = ModelConfig.from_hf_config(self.hf_config)
+        generation_path = self.directory / "generation_config.json"
+        if generation_path.is_file():
+            extra = json.loads(generation_path.read_text()).get("eos_token_id")
+            extra_ids = [extra] if isinstance(extra, int) else list(extra or ())
+            eos_ids = tuple(dict.fromkeys([*config.eos_token_ids, *extra_ids]))
+            config = config.replace(eos_token_ids=eos_ids)
+        return config
+
+    def iter_weights(
+        self, config: ModelConfig, device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in sorted(self.directory.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt", device=str(device)) as file:
+                for hf_name in file.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    name = hf_name.removeprefix("model.")
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # tied: the embedding matrix is the LM head
+                    yield name, file.get_tensor(hf_name)
+
+    def load_tokenizer(self) -> Tokenizer | None:
+        if not any((self.directory / name).is_file() for name in _TOKENIZER_FILES):
+            return None
+        return Tokenizer.from_pretrained(self.directory, self.load_config().eos_token_ids)

@@ -1,0 +1,73 @@
+"""Rotary position embeddings: inverse frequencies (with scaling) and the cos/sin cache.
+
+The model rotates by *absolute* position, looked up per token from a cache precomputed once for
+`max_position_embeddings`, so tokens of many sequences at unrelated positions share one batch.
+Layout is HuggingFace's "rotate half": dimension i pairs with i + head_dim / 2 (GGUF files store
+Llama's Q/K rows interleaved instead; the GGUF loader undoes that before weights reach here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
+) -> torch.Tensor:
+    """The `head_dim / 2` rotation frequencies, float32, after any scaling. # [head_dim // 2]"""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, and a smooth
+    blend between the two wavelength thresholds."""
+    factor = scaling["factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / scaling["low_freq_factor"]
+    high_freq_wavelen = old_context / scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - scaling["low_freq_factor"]) / (
+        scaling["high_freq_factor"] - scaling["low_freq_factor"]
+    )
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def cos_sin_cache(
+    head_dim: int,
+    theta: float,
+    max_positions: int,
+    scaling: Mapping[str, Any] | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each (position, dimension) angle, float32. # [max_positions, head_dim] each"""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+    positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
+    angles = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` # [num_tokens, num_heads, head_dim] by per-token `cos`/`sin`
+    # [num_tokens, 1, head_dim], already in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
