@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "kvpool.commands.chat",
     "kvpool.bench.cli",
     "kvpool.sim.cli",
+    "kvpool.server.serve",
 )
 
 
@@ -32,9 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Bad input (a ValueError, a missing file) is reported in one line."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"kvpool {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -150,6 +150,14 @@ def hf_llama_config(model_config):
 
 
 def load_hf_model(workload: Workload, device: torch.device) -> torch.nn.Module:
+    return load_dummy_hf_model(
+        workload.preset, getattr(torch, workload.dtype), workload.seed, device
+    )
+
+
+def load_dummy_hf_model(
+    preset: str, dtype: torch.dtype, seed: int, device: torch.device | str
+) -> torch.nn.Module:
     """transformers' Llama holding the dummy loader's weights (checkpoint names are HF names
     without the `model.` prefix)."""
     from transformers import LlamaForCausalLM
@@ -157,14 +165,13 @@ def load_hf_model(workload: Workload, device: torch.device) -> torch.nn.Module:
     from kvpool.model.config import ModelConfig
     from kvpool.model.loaders.dummy import DummyLoader
 
-    model_config = ModelConfig.preset(workload.preset)
-    dtype = getattr(torch, workload.dtype)
+    model_config = ModelConfig.preset(preset)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(hf_llama_config(model_config), dtype=dtype)
     parameters = dict(model.named_parameters())
-    loader = DummyLoader(model_config, workload.seed)
+    loader = DummyLoader(model_config, seed)
     with torch.no_grad():
-        for name, tensor in loader.iter_weights(model_config, device):
+        for name, tensor in loader.iter_weights(model_config, torch.device(device)):
             hf_name = name if name == "lm_head.weight" else f"model.{name}"
             parameters[hf_name].copy_(tensor)
     return model.eval()

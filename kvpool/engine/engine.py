@@ -4,14 +4,19 @@ A request's life: `add_request` creates its first sequence and block table and q
 steps prefill it (blocks from the free list, cached prefix blocks shared), then decode it one
 token per step (a new block only when the last is full); when it finishes every block goes back.
 
-    step():  scheduler.schedule() → runner.execute(batch) → sampler(logits) → outputs.append_token
-             → scheduler.finish(finished sequences)
+    step():  kv_pool.maybe_resize() → scheduler.schedule() → runner.execute(batch)
+             → sampler(logits) → outputs.append_token → scheduler.finish(finished sequences)
+
+The KV pool resizes (an elastic pool grows or migrates blocks and shrinks) only at the top of
+a step, before anything is scheduled: no slot mapping or block copy is in flight then. At
+start-up a dummy batch warms the engine up (`kvpool.engine.warmup`), then every counter is reset.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -27,7 +32,10 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request, Sequence
 from kvpool.engine.setup import EngineParts, build_engine_parts
+from kvpool.engine.warmup import warm_up
 from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_table import BlockTable
+from kvpool.memory.elastic_pool import KVPoolStats
 
 PromptInput = str | SequenceOf[int] | dict
 
@@ -42,6 +50,7 @@ class EngineStats:
     peak_used_blocks: int
     num_prompt_tokens: int
     num_generated_tokens: int
+    phase_seconds: dict[str, float]  # wall time per step phase: schedule, model, sample, output
 
 
 class LLMEngine:
@@ -53,9 +62,10 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.pool = parts.pool
         self.kv_cache = parts.kv_cache
+        self.kv_pool = parts.kv_pool
         self.runner = ModelRunner(parts.model, parts.kv_cache, parts.device)
-        watermark_blocks = int(config.watermark * parts.pool.num_blocks)
-        self.kv_manager = KVCacheManager(parts.pool, watermark_blocks)
+        watermark_blocks = int(config.watermark * parts.kv_pool.max_num_blocks)
+        self.kv_manager = KVCacheManager(parts.pool, watermark_blocks, parts.kv_pool)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -69,12 +79,24 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_ids) | frozenset(parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.reset_stats()
+        self.warmup_seconds = warm_up(self) if config.enable_warmup else 0.0
+
+    def reset_stats(self) -> None:
+        """Zero every counter and return the KV pool to its start-up state; only while no
+        request is unfinished (the warm-up calls it; so may a benchmark between phases)."""
+        if self.requests:
+            raise ValueError(f"cannot reset with {len(self.requests)} unfinished requests")
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._num_steps = 0
         self._peak_used_blocks = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+        self._phase_seconds = dict.fromkeys(("schedule", "model", "sample", "output"), 0.0)
+        self.scheduler.num_preemptions = 0
+        self.scheduler.num_recomputed_tokens = 0
+        self.kv_pool.reset()
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -127,7 +149,7 @@ class LLMEngine:
                 f"{self.max_model_len} (room is needed for at least one output token)"
             )
         if not self.kv_manager.can_ever_fit(len(token_ids) + 1):
-            capacity = self.pool.num_blocks * self.pool.block_size
+            capacity = self.kv_pool.max_num_blocks * self.pool.block_size
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but the whole KV pool holds only "
                 f"{capacity} tokens: it could never run"
@@ -162,20 +184,26 @@ class LLMEngine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that changed."""
+        clock = _PhaseClock(self._phase_seconds)
+        self.resize_kv_pool()
         batch = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in batch.length_capped:
             self._finish(seq, FinishReason.LENGTH, None, touched)
+        clock.lap("schedule")
         if batch.chunks:
             self._peak_used_blocks = max(self._peak_used_blocks, self.pool.num_used_blocks)
             logits = self.runner.execute(self._model_chunks(batch), batch.block_copies)
+            clock.lap("model")
             self.scheduler.mark_computed(batch)
             self._sample_and_append(batch, logits, touched)
             self._num_steps += 1
+            clock.lap("sample")
         outputs = [self.outputs.make_output(request) for request in touched.values()]
         for request in touched.values():
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+        clock.lap("output")
         return outputs
 
     def _model_chunks(self, batch: SchedulerOutput) -> list[SequenceChunk]:
@@ -253,9 +281,25 @@ class LLMEngine:
         if seq.request.is_finished:
             seq.request.finish_time = time.monotonic()
 
+    # ------------------------------------------------------------ KV pool
+    def resize_kv_pool(self) -> None:
+        """Let the KV pool grow or give memory back now. `step()` does this first; an idle
+        server loop may call it between steps so that idle memory is still given back."""
+        self.kv_pool.maybe_resize(time.monotonic(), self._live_block_tables())
+
+    def _live_block_tables(self) -> Iterator[BlockTable]:
+        """Every block table that may hold blocks (lazy: read only if blocks must move)."""
+        for request in self.requests.values():
+            for seq in request.sequences:
+                yield seq.block_table
+
     # ------------------------------------------------------------ reporting
     def memory_stats(self) -> BlockPoolStats:
         return self.pool.stats()
+
+    def kv_pool_stats(self) -> KVPoolStats:
+        """The KV memory: online blocks, segments, grows, shrinks, migrations, arena bytes."""
+        return self.kv_pool.stats()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -265,7 +309,21 @@ class LLMEngine:
             peak_used_blocks=self._peak_used_blocks,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens,
+            phase_seconds=dict(self._phase_seconds),
         )
+
+
+class _PhaseClock:
+    """Adds the wall time since the previous lap to a named phase."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.last
+        self.last = now
 
 
 def _sequence_generator(seed: int | None, index: int) -> torch.Generator | None:

@@ -1,0 +1,203 @@
+"""`kvpool bench throughput`: offline throughput on a fixed, seeded workload, optionally side by
+side with transformers `generate` on the same model, dtype, prompts and lengths.
+
+Workload: `--num-prompts` prompts of random token ids (lengths uniform in `--input-len`),
+each generating exactly its own output length (uniform in `--output-len`, EOS ignored, greedy).
+`--shared-prefix N` starts every prompt with the same N tokens, to show prefix caching.
+
+Baseline (`--baseline hf`): transformers `generate` over static batches of
+`--baseline-batch-size` prompts in arrival order, left-padded; a batch runs until its longest
+output is done. Only the tokens each request asked for count as output, so the padding and the
+overshoot that static batching pays for are charged to it, as they are in practice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+from kvpool.engine.args import add_engine_args, engine_config_from_args
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    num_prompts: int = 64
+    input_len: tuple[int, int] = (32, 512)
+    output_len: tuple[int, int] = (64, 256)
+    shared_prefix: int = 0
+    seed: int = 0
+
+    def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
+        """(prompt token ids, output length) per request; the same for a given seed."""
+        rng = random.Random(self.seed)
+        # Ids below 100 hold special tokens in common vocabularies; random text avoids them.
+        prefix = [rng.randrange(100, vocab_size) for _ in range(self.shared_prefix)]
+        requests = []
+        for _ in range(self.num_prompts):
+            length = rng.randint(*self.input_len)
+            body = [rng.randrange(100, vocab_size) for _ in range(length)]
+            requests.append((prefix + body, rng.randint(*self.output_len)))
+        return requests
+
+
+def run_kvpool(args: argparse.Namespace, workload: Workload) -> dict[str, object]:
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling_params import SamplingParams
+
+    llm = LLM(**vars(engine_config_from_args(args)))
+    requests = workload.requests(llm.engine.model_config.vocab_size)
+    prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        for _, output_len in requests
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    elapsed = time.perf_counter() - start
+    num_output = sum(len(output.outputs[0].token_ids) for output in outputs)
+    num_prompt = sum(len(prompt) for prompt, _ in requests)
+    stats, pool = llm.engine.stats(), llm.memory_stats()
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_output + num_prompt) / elapsed,
+        "num_output_tokens": num_output,
+        "num_prompt_tokens": num_prompt,
+        "peak_blocks_used": stats.peak_used_blocks,
+        "num_blocks": pool.num_blocks,
+        "num_preemptions": stats.num_preemptions,
+        "num_steps": stats.num_steps,
+        "prefix_cache_hit_tokens": pool.prefix_cache_hits_tokens,
+        "step_phase_seconds": stats.phase_seconds,
+    }
+
+
+def run_transformers(args: argparse.Namespace, workload: Workload) -> dict[str, object]:
+    import torch
+    from tqdm.auto import tqdm
+
+    model = load_transformers_model(args)
+    requests = workload.requests(model.config.vocab_size)
+    batch_size = args.baseline_batch_size
+    num_useful = 0
+    start = time.perf_counter()
+    batches = range(0, len(requests), batch_size)
+    for first in tqdm(batches, desc="transformers", unit="batch", disable=args.json):
+        batch = requests[first : first + batch_size]
+        input_ids, attention_mask = _left_padded([prompt for prompt, _ in batch])
+        longest = max(output_len for _, output_len in batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        num_useful += sum(output_len for _, output_len in batch)
+    elapsed = time.perf_counter() - start
+    return {
+        "baseline": "hf",
+        "baseline_batch_size": batch_size,
+        "baseline_elapsed_s": elapsed,
+        "baseline_output_tokens_per_s": num_useful / elapsed,
+    }
+
+
+def _left_padded(prompts: list[list[int]]):
+    import torch
+
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+def load_transformers_model(args: argparse.Namespace):
+    """The same weights in transformers: the GGUF file or HF directory kvpool loads, or the
+    same seeded dummy weights."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvpool.model import default_model_path
+
+    dtype = getattr(torch, args.dtype)
+    if args.load_format == "dummy":
+        from kvpool.bench.generation import load_dummy_hf_model
+
+        return load_dummy_hf_model(args.model, dtype, args.seed, args.device)
+    path = Path(args.model) if args.model else default_model_path()
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
+
+
+def format_table(result: dict[str, object]) -> str:
+    rows = [
+        ("requests / s", result["requests_per_s"]),
+        ("output tokens / s", result["output_tokens_per_s"]),
+        ("total tokens / s", result["total_tokens_per_s"]),
+        ("peak blocks used", result["peak_blocks_used"]),
+        ("preemptions", result["num_preemptions"]),
+        ("prefix-cache hit tokens", result["prefix_cache_hit_tokens"]),
+    ]
+    if "baseline_output_tokens_per_s" in result:
+        label = f"transformers output tokens / s (batch {result['baseline_batch_size']})"
+        rows += [(label, result["baseline_output_tokens_per_s"]), ("speedup", result["speedup"])]
+    phases = result["step_phase_seconds"]
+    rows += [(f"time in {phase}", f"{seconds:.1f} s") for phase, seconds in phases.items()]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(
+        f"{label:<{width}}  {value:,.2f}"
+        if isinstance(value, float)
+        else f"{label:<{width}}  {value}"
+        for label, value in rows
+    )
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "throughput", help="offline throughput on a seeded workload, optionally vs transformers"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--baseline", choices=("none", "hf"), default="none")
+    parser.add_argument("--baseline-batch-size", type=int, default=16)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = Workload(
+        num_prompts=args.num_prompts,
+        input_len=tuple(args.input_len),
+        output_len=tuple(args.output_len),
+        shared_prefix=args.shared_prefix,
+        seed=args.workload_seed,
+    )
+    if min(*workload.input_len, *workload.output_len, workload.num_prompts) < 1:
+        raise SystemExit("lengths and --num-prompts must be at least 1")
+    result: dict[str, object] = {"workload": asdict(workload), **run_kvpool(args, workload)}
+    if args.baseline == "hf":
+        result.update(run_transformers(args, workload))
+        result["speedup"] = result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"]
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
