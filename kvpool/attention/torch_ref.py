@@ -4,9 +4,10 @@ against, and the CPU backend.
 Each call first scatters the step's new K/V into their slots, then attends through the block
 tables:
 
-- decode sequences (query_len 1, the first `num_decode_seqs`) are batched: their blocks are
-  gathered into one zero-padded `[num_decode, max_context, ...]` tensor and a single
-  `scaled_dot_product_attention` call runs with a padding mask;
+- decode sequences (query_len 1, the first `num_decode_seqs`) are batched: sequences of similar
+  context length are grouped, each group's blocks are gathered into one padded
+  `[group_size, max_context, ...]` tensor and one `scaled_dot_product_attention` call per group
+  runs with a padding mask;
 - prefill / extend sequences (query_len > 1) run one SDPA call each, because their query and
   context lengths differ widely and padding them together wastes more than the loop costs.
 
@@ -18,6 +19,7 @@ heads that share a KV head are folded into the query-length dimension, so SDPA s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,55 @@ class Workspace:
         return buffer[:numel].view(shape)
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode sequences of similar context length, padded together to the longest of them."""
+
+    rows: torch.Tensor  # [group_size] int64: the sequences' rows among the decodes
+    block_tables: torch.Tensor  # [group_size, num_blocks] int
+    is_valid: torch.Tensor  # [group_size, 1, 1, num_blocks * block_size] bool: real positions
+
+
+# A group's padded context may exceed its real context by this factor (plus one block per
+# sequence) before a new group starts: each group costs a few small ops per layer, padding
+# costs gather and attention work in proportion.
+MAX_PADDING_FACTOR = 1.25
+MAX_DECODE_GROUPS = 8
+
+
+def plan_decode_groups(metadata: AttentionMetadata) -> list[DecodeGroup]:
+    """Split the decode sequences into groups of similar length (longest first)."""
+    num_decode, block_size = metadata.num_decode_seqs, metadata.block_size
+    seq_lens = metadata.seq_lens_cpu[:num_decode]
+    order = sorted(range(num_decode), key=lambda row: seq_lens[row], reverse=True)
+    memberships: list[list[int]] = [[]]
+    for row in order:
+        members = memberships[-1]
+        longest = seq_lens[members[0]] if members else seq_lens[row]
+        padded = (len(members) + 1) * (-(-longest // block_size) * block_size)
+        real = sum(seq_lens[m] for m in members) + seq_lens[row] + block_size * (len(members) + 1)
+        if members and padded > MAX_PADDING_FACTOR * real and len(memberships) < MAX_DECODE_GROUPS:
+            memberships.append([])
+        memberships[-1].append(row)
+    device = metadata.block_tables.device
+    if len(memberships) == 1:  # keep the caller's row order: no gather of rows needed
+        memberships = [list(range(num_decode))]
+    groups = []
+    for members in memberships:
+        rows = torch.tensor(members, dtype=torch.int64, device=device)
+        num_blocks = -(-max(seq_lens[m] for m in members) // block_size)
+        positions = torch.arange(num_blocks * block_size, device=device)
+        is_valid = positions[None, :] < metadata.seq_lens[rows, None]
+        groups.append(
+            DecodeGroup(
+                rows=rows,
+                block_tables=metadata.block_tables[rows, :num_blocks],
+                is_valid=is_valid[:, None, None, :],
+            )
+        )
+    return groups
+
+
 class TorchAttentionBackend:
     """The `AttentionBackend` reference implementation (any device, any float dtype)."""
 
@@ -88,6 +139,8 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self.workspace = Workspace()
+        # The decode grouping is the same for every layer of a step: planned once per metadata.
+        self._decode_plan: tuple[AttentionMetadata, list[DecodeGroup]] | None = None
 
     def forward(
         self,
@@ -117,26 +170,35 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_decode, num_heads, head_dim = query.shape
-        block_size = metadata.block_size
-        seq_lens = metadata.seq_lens_cpu[:num_decode]
-        num_blocks = -(-max(seq_lens) // block_size)
-        keys, values = gather_context(
-            kv_cache_layer, metadata.block_tables[:num_decode, :num_blocks], self.workspace
-        )
+        if self._decode_plan is None or self._decode_plan[0] is not metadata:
+            self._decode_plan = (metadata, plan_decode_groups(metadata))
+        groups = self._decode_plan[1]
+        if len(groups) == 1:
+            return self._decode_group(query, kv_cache_layer, groups[0], scale)
+        output = torch.empty_like(query)
+        for group in groups:
+            output[group.rows] = self._decode_group(query[group.rows], kv_cache_layer, group, scale)
+        return output
+
+    def _decode_group(
+        self,
+        query: torch.Tensor,  # [group_size, num_heads, head_dim]
+        kv_cache_layer: torch.Tensor,
+        group: DecodeGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = query.shape
+        keys, values = gather_context(kv_cache_layer, group.block_tables, self.workspace)
         num_kv_heads = keys.shape[1]
-        positions = torch.arange(num_blocks * block_size, device=query.device)
-        # [num_decode, 1, 1, context]: True where the position holds one of the sequence's tokens
-        is_valid = positions[None, :] < metadata.seq_lens[:num_decode, None]
-        grouped_query = query.view(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        grouped_query = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             grouped_query,
             keys.to(query.dtype),
             values.to(query.dtype),
-            attn_mask=is_valid[:, None, None, :],
+            attn_mask=group.is_valid,
             scale=scale,
         )
-        return out.reshape(num_decode, num_heads, head_dim)
+        return out.reshape(num_seqs, num_heads, head_dim)
 
     def _prefill_one(
         self,

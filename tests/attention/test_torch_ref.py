@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpool.attention.metadata import AttentionMetadata
-from kvpool.attention.torch_ref import TorchAttentionBackend
+from kvpool.attention.torch_ref import TorchAttentionBackend, plan_decode_groups
 from kvpool.memory.kv_cache import write_kv
 
 HEAD_DIM = 16
@@ -121,3 +121,19 @@ def test_metadata_rejects_inconsistent_input():
         AttentionMetadata.build([3], [2], [[0]], [0, 1, 2], block_size=4)
     with pytest.raises(ValueError, match="one slot per new token"):
         AttentionMetadata.build([2], [2], [[0]], [0], block_size=4)
+
+
+def test_decodes_of_very_different_lengths_are_grouped_and_still_exact():
+    shapes = [(199, 1), (0, 1), (4, 1), (99, 1), (150, 1), (2, 1), (60, 1)]
+    out, expected = run_case(shapes, block_size=8, group_size=3, dtype=torch.float32, seed=2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    metadata = AttentionMetadata.build(
+        query_lens=[1] * len(shapes),
+        seq_lens=[cached + 1 for cached, _ in shapes],
+        block_tables=[list(range(-(-(cached + 1) // 8))) for cached, _ in shapes],
+        slot_mapping=[0] * len(shapes),
+        block_size=8,
+    )
+    groups = plan_decode_groups(metadata)
+    assert len(groups) > 1
+    assert sorted(row for group in groups for row in group.rows.tolist()) == list(range(7))
