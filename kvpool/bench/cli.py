@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from importlib import import_module
 
-BENCH_MODULES = ("kvpool.bench.blocks", "kvpool.bench.throughput")
+BENCH_MODULES = ("kvpool.bench.blocks", "kvpool.bench.throughput", "kvpool.bench.serve")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -12,6 +12,7 @@ import re
 
 from kvpool.engine.config import ATTENTION_BACKENDS, EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.memory.elastic_pool import KV_POOL_MODES, ElasticPoolConfig
 
 _SIZE_UNITS = {
     "": 1,
@@ -75,6 +76,45 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    group.add_argument(
+        "--enable-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run a dummy batch at start-up so the first request pays no first-use costs",
+    )
+    _add_kv_pool_args(parser)
+
+
+def _add_kv_pool_args(parser: argparse.ArgumentParser) -> None:
+    defaults = ElasticPoolConfig()
+    group = parser.add_argument_group("KV pool (elastic options are rejected with static)")
+    group.add_argument(
+        "--kv-pool",
+        default="static",
+        choices=KV_POOL_MODES,
+        help="static: the whole KV budget online at start; elastic: grow by segments under "
+        "pressure, give idle segments back",
+    )
+    group.add_argument(
+        "--kv-pool-initial-blocks",
+        type=int,
+        default=None,
+        help="elastic: blocks online at start and never given back, in whole segments "
+        "(0: lazy, everything given back when idle; default: one segment)",
+    )
+    group.add_argument(
+        "--kv-pool-segment-blocks",
+        type=int,
+        default=None,
+        help=f"elastic: blocks per segment (default {defaults.segment_blocks})",
+    )
+    group.add_argument(
+        "--kv-pool-idle-seconds",
+        type=float,
+        default=None,
+        help="elastic: how long a segment's worth of blocks must stay free before it is "
+        f"given back (default {defaults.idle_seconds:g})",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.memory.elastic_pool import KV_POOL_MODES
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes of KV cache on the CPU when nothing is said
 DEFAULT_CHUNKED_BATCHED_TOKENS = 1024
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -15,7 +17,11 @@ class EngineConfig:
 
     KV memory is sized by the first of: `num_gpu_blocks` (a block count), `kv_cache_memory`
     (bytes), or on CUDA `gpu_memory_utilization` (fraction of the device's memory the whole
-    process may use, weights included); on the CPU the default is 2 GiB.
+    process may use, weights included); on the CPU the default is 2 GiB. That budget is
+    reserved once; `kv_pool="static"` brings all of it online at start, `"elastic"` brings it
+    online a segment at a time and gives idle segments back (`kvpool.memory.elastic_pool`).
+    The `kv_pool_*` options apply to the elastic pool only (None: its defaults), so a static
+    pool rejects them rather than silently ignoring them.
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -34,6 +40,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     watermark: float = 0.01  # fraction of blocks admission leaves free for running sequences
+    kv_pool: str = "static"  # "static" or "elastic"
+    kv_pool_initial_blocks: int | None = None  # online at start and the floor (0: lazy)
+    kv_pool_segment_blocks: int | None = None  # blocks per segment; default 128
+    kv_pool_idle_seconds: float | None = None  # idle time before a shrink; default 10
+    enable_warmup: bool = True  # run a dummy batch at start-up (first-use costs paid there)
 
     def __post_init__(self) -> None:
         positive = {
@@ -53,10 +64,30 @@ class EngineConfig:
             )
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        self._check_kv_pool()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+
+    def _check_kv_pool(self) -> None:
+        if self.kv_pool not in KV_POOL_MODES:
+            raise ValueError(f"kv_pool must be one of {KV_POOL_MODES}, got {self.kv_pool!r}")
+        elastic_options = {
+            "kv_pool_initial_blocks": self.kv_pool_initial_blocks,
+            "kv_pool_segment_blocks": self.kv_pool_segment_blocks,
+            "kv_pool_idle_seconds": self.kv_pool_idle_seconds,
+        }
+        given = [name for name, value in elastic_options.items() if value is not None]
+        if self.kv_pool == "static" and given:
+            raise ValueError(f"{', '.join(given)} apply only to kv_pool='elastic' (a static "
+                             "pool brings its whole budget online at start)")
+        if (self.kv_pool_initial_blocks or 0) < 0 or (self.kv_pool_idle_seconds or 0) < 0:
+            raise ValueError("kv_pool_initial_blocks and kv_pool_idle_seconds must be >= 0")
+        if self.kv_pool_segment_blocks is not None and self.kv_pool_segment_blocks < 1:
+            raise ValueError(
+                f"kv_pool_segment_blocks must be at least 1, got {self.kv_pool_segment_blocks}"
             )
 
     def batched_tokens_limit(self, max_model_len: int) -> int:

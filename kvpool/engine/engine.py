@@ -154,6 +154,10 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but the whole KV pool holds only "
                 f"{capacity} tokens: it could never run"
             )
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary ({vocab_size})")
+        if any(token_id >= vocab_size for token_id in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
 

@@ -1,17 +1,23 @@
-"""The block pool: a fixed set of KV blocks, their reference counts, and the free lists.
+"""The block pool: the online KV blocks, their reference counts, and the free lists.
 
 A block is `block_size` token slots of KV cache; the pool hands out block *ids* and keeps score
 of who holds them. The tensors that hold the K/V data are indexed by these ids elsewhere
 (`kvpool.memory.kv_cache`), so the pool itself is pure Python and O(1) per block.
 
-Every block is in exactly one of three states:
+Ids range over `0 .. capacity_blocks - 1`, but only *online* ids are the pool's to hand out.
+A static pool is online from the start; an elastic pool (`kvpool.memory.elastic_pool`) brings
+runs of ids online (`add_blocks`) as its memory grows and takes them offline (`remove_blocks`)
+as it shrinks. Every online block is in exactly one of three states:
 
     free     ref_count == 0, no hash         on `_fresh_free_ids` (a LIFO stack)
     cached   ref_count == 0, hashed          on `_evictable_ids`  (LRU order, oldest first)
     used     ref_count  > 0 (hashed or not)  held by one or more block tables
 
 Invariants (checked by `check_invariants`, exercised by the property tests):
-- num_free + num_cached + num_used == num_blocks, and no id is on both free lists.
+- num_free + num_cached + num_used == num_blocks (the online count), and no id is on both
+  free lists.
+- An offline id is on no list, has ref_count 0, no hash and no filled slots; `allocate` never
+  returns one.
 - A block's ref_count equals the number of block tables holding it.
 - A block is on `_evictable_ids` iff its ref_count is 0 and the prefix cache holds its hash.
 - `_num_filled_slots_in_use` equals the filled slots summed over used blocks.
@@ -23,6 +29,8 @@ Policy, and why:
   prefix stays reusable for as long as memory allows.
 - `allocate(n)` is all-or-nothing, and `free`/`retain` validate every id before touching any,
   so a failed call never leaves the pool half-changed.
+- Blocks brought online go to the *bottom* of the free stack: free blocks already online are
+  reused first, so the newest memory stays the emptiest and is the cheapest to give back.
 """
 
 from __future__ import annotations
@@ -74,22 +82,42 @@ class BlockPoolStats:
 class BlockPool:
     """Reference-counted KV blocks with LIFO reuse and an LRU prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        capacity_blocks: int | None = None,
+    ) -> None:
+        """Ids `0 .. num_blocks - 1` start online; `capacity_blocks` (default `num_blocks`)
+        sizes the id space, and an elastic pool may start with `num_blocks=0`."""
+        if capacity_blocks is None and num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        capacity_blocks = num_blocks if capacity_blocks is None else capacity_blocks
+        if capacity_blocks < 1 or not 0 <= num_blocks <= capacity_blocks:
+            raise ValueError(
+                f"need 0 <= num_blocks <= capacity_blocks and capacity_blocks >= 1, got "
+                f"{num_blocks} and {capacity_blocks}"
+            )
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # online blocks
+        self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self.prefix_cache: PrefixCache = (
             PrefixCache() if enable_prefix_caching else NullPrefixCache()
         )
-        self._ref_counts = [0] * num_blocks
-        self._num_filled_slots = [0] * num_blocks
+        self._ref_counts = [0] * capacity_blocks
+        self._num_filled_slots = [0] * capacity_blocks
+        self._is_online = [True] * num_blocks + [False] * (capacity_blocks - num_blocks)
         # Reversed so that a new pool hands out 0, 1, 2, ... in order.
         self._fresh_free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
         self._num_filled_slots_in_use = 0
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero the allocation, eviction and prefix-cache counters (after an engine warm-up)."""
         self._num_allocations = 0
         self._num_frees = 0
         self._num_evictions = 0
@@ -128,6 +156,13 @@ class BlockPool:
 
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable_ids
+
+    def is_online(self, block_id: int) -> bool:
+        return 0 <= block_id < self.capacity_blocks and self._is_online[block_id]
+
+    def online_block_ids(self) -> list[int]:
+        """Every online id, ascending (O(capacity_blocks))."""
+        return [block_id for block_id, online in enumerate(self._is_online) if online]
 
     def free_block_ids(self) -> list[int]:
         """Fresh free ids in the order `allocate` would hand them out."""
@@ -174,19 +209,25 @@ class BlockPool:
         ref_counts = self._ref_counts
         if type(block_ids) is list and len(block_ids) == 1:  # the decode hot path
             block_id = block_ids[0]
-            if type(block_id) is int and 0 <= block_id < self.num_blocks and ref_counts[block_id]:
+            if (
+                type(block_id) is int
+                and 0 <= block_id < self.capacity_blocks
+                and ref_counts[block_id]
+            ):
                 ref_counts[block_id] -= 1
                 if ref_counts[block_id] == 0:
                     self._release(block_id)
                 return
         dropped: list[int] = []
         released: list[int] = []  # each id once: at the drop that reached zero
+        capacity_blocks = self.capacity_blocks
         for block_id in block_ids:
-            if not (type(block_id) is int and 0 <= block_id < self.num_blocks):
+            if not (type(block_id) is int and 0 <= block_id < capacity_blocks):
                 self._undo_drops(dropped)
                 self._check_id(block_id)
-            if ref_counts[block_id] == 0:
+            if ref_counts[block_id] == 0:  # offline ids have none either
                 self._undo_drops(dropped)
+                self._check_id(block_id)
                 raise InvalidBlockError(
                     f"cannot free block {block_id}: it holds no reference to drop (double free)"
                 )
@@ -229,6 +270,84 @@ class BlockPool:
         assert 0 <= num_filled <= self.block_size
         self._num_filled_slots_in_use += num_filled - self._num_filled_slots[block_id]
         self._num_filled_slots[block_id] = num_filled
+
+    # ------------------------------------------------------- online / offline
+    def add_blocks(self, block_ids: Iterable[int]) -> None:
+        """Bring offline ids online as free blocks, under those already free (module docstring);
+        among themselves they are handed out lowest id first."""
+        block_ids = sorted(block_ids)
+        for index, block_id in enumerate(block_ids):
+            if not (isinstance(block_id, int) and 0 <= block_id < self.capacity_blocks):
+                raise InvalidBlockError(f"block id {block_id!r} is outside the pool's capacity")
+            if self._is_online[block_id] or (index and block_ids[index - 1] == block_id):
+                raise InvalidBlockError(f"block {block_id} is already online")
+        for block_id in block_ids:
+            self._is_online[block_id] = True
+        self._fresh_free_ids[:0] = block_ids[::-1]
+        self.num_blocks += len(block_ids)
+
+    def remove_blocks(self, block_ids: Iterable[int]) -> int:
+        """Take unused online ids offline, evicting the cached ones; returns how many were.
+
+        All or nothing: an id that is used or offline changes nothing and raises.
+        """
+        removed = set(block_ids)
+        for block_id in removed:
+            self._check_id(block_id)
+            if self._ref_counts[block_id]:
+                raise InvalidBlockError(f"cannot take block {block_id} offline: it is used")
+        num_evicted = 0
+        for block_id in removed:
+            self._is_online[block_id] = False
+            if block_id in self._evictable_ids:
+                del self._evictable_ids[block_id]
+                self.prefix_cache.remove(block_id)
+                self._num_filled_slots[block_id] = 0
+                num_evicted += 1
+        self._fresh_free_ids = [b for b in self._fresh_free_ids if b not in removed]
+        self.num_blocks -= len(removed)
+        self._num_evictions += num_evicted
+        return num_evicted
+
+    def relocate_blocks(self, block_ids: Sequence[int]) -> dict[int, int]:
+        """Move used blocks' bookkeeping to newly taken blocks; returns old id -> new id.
+
+        Each new block gets the old one's references, filled slots and prefix-cache entry (so a
+        cached prefix still hits); each old block becomes free. The caller copies the KV data
+        and remaps every block table holding an old id. New blocks come from the free blocks
+        (fresh first, then evicting cached ones), never from `block_ids`; all or nothing.
+        """
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if not self._ref_counts[block_id]:
+                raise InvalidBlockError(f"cannot relocate block {block_id}: it is not used")
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidBlockError("relocate_blocks got a block id twice")
+        if len(block_ids) > self.num_allocatable_blocks:
+            raise OutOfBlocksError(len(block_ids), self.num_free_blocks, self.num_cached_blocks)
+        old_to_new = {old_id: self._take_one() for old_id in block_ids}
+        for old_id, new_id in old_to_new.items():
+            self._ref_counts[new_id] = self._ref_counts[old_id]
+            self._num_filled_slots[new_id] = self._num_filled_slots[old_id]
+            entry = self.prefix_cache.remove(old_id)
+            if entry is not None:
+                self.prefix_cache.insert(new_id, entry.block_hash, entry.token_ids)
+            self._ref_counts[old_id] = 0
+            self._num_filled_slots[old_id] = 0
+            self._fresh_free_ids.append(old_id)
+        return old_to_new
+
+    def reset(self) -> None:
+        """Make a pool with no used blocks look new: prefix cache emptied, free blocks handed
+        out lowest id first again, counters zero (the engine calls it after its warm-up)."""
+        if self.num_used_blocks:
+            raise InvalidBlockError(f"cannot reset a pool with {self.num_used_blocks} used blocks")
+        for block_id in self._evictable_ids:
+            self.prefix_cache.remove(block_id)
+            self._num_filled_slots[block_id] = 0
+        self._evictable_ids.clear()
+        self._fresh_free_ids = self.online_block_ids()[::-1]
+        self.reset_counters()
 
     # ----------------------------------------------------------- prefix cache
     def match_prefix(
@@ -278,7 +397,7 @@ class BlockPool:
             num_free_blocks=self.num_free_blocks,
             num_used_blocks=num_used,
             num_cached_blocks=self.num_cached_blocks,
-            usage=num_used / self.num_blocks,
+            usage=num_used / self.num_blocks if self.num_blocks else 0.0,
             num_unfilled_slots=num_used * self.block_size - self._num_filled_slots_in_use,
             num_allocations=self._num_allocations,
             num_frees=self._num_frees,
@@ -290,16 +409,21 @@ class BlockPool:
         )
 
     def check_invariants(self) -> None:
-        """Assert every invariant in the module docstring (O(num_blocks); for tests)."""
+        """Assert every invariant in the module docstring (O(capacity_blocks); for tests)."""
         fresh = set(self._fresh_free_ids)
         evictable = set(self._evictable_ids)
         assert len(fresh) == len(self._fresh_free_ids), "duplicate id on the free stack"
         assert not fresh & evictable, "a block is both free and cached"
+        assert sum(self._is_online) == self.num_blocks, "the online count is off"
         filled_in_use = 0
         for block_id, ref_count in enumerate(self._ref_counts):
             assert ref_count >= 0
             is_hashed = self.prefix_cache.is_cached(block_id)
-            if ref_count > 0:
+            if not self._is_online[block_id]:
+                assert ref_count == 0 and not is_hashed, f"offline block {block_id} is in use"
+                assert block_id not in fresh and block_id not in evictable
+                assert self._num_filled_slots[block_id] == 0
+            elif ref_count > 0:
                 assert block_id not in fresh and block_id not in evictable
                 filled_in_use += self._num_filled_slots[block_id]
             else:
@@ -308,7 +432,8 @@ class BlockPool:
         assert filled_in_use == self._num_filled_slots_in_use
 
     def _check_id(self, block_id: int) -> None:
-        if not (isinstance(block_id, int) and 0 <= block_id < self.num_blocks):
+        if not (isinstance(block_id, int) and self.is_online(block_id)):
             raise InvalidBlockError(
-                f"block id {block_id!r} does not exist (pool has {self.num_blocks})"
+                f"block id {block_id!r} does not exist (pool has {self.num_blocks} online of "
+                f"{self.capacity_blocks})"
             )

@@ -16,6 +16,8 @@ Invariants:
   KV tensors must perform.
 - `block_hashes[i]` is the chained hash of full block i; hashes exist only for the first
   `num_hashed_blocks` blocks, all of which are full and were marked computed.
+- Physical ids may change between steps (`remap`, when an elastic pool migrates blocks);
+  logical positions, tokens and hashes never do.
 """
 
 from __future__ import annotations
@@ -169,6 +171,18 @@ class BlockTable:
         child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)
         return child
+
+    def remap(self, old_to_new: dict[int, int]) -> int:
+        """Replace migrated block ids in place (the pool already moved their references);
+        returns how many entries changed."""
+        block_ids = self.block_ids
+        num_changed = 0
+        for index, block_id in enumerate(block_ids):
+            new_id = old_to_new.get(block_id)
+            if new_id is not None:
+                block_ids[index] = new_id
+                num_changed += 1
+        return num_changed
 
     def free(self) -> None:
         """Return every block (tail first, so cached tail blocks are evicted first)."""

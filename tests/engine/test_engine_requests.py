@@ -80,6 +80,10 @@ def test_bad_requests_fail_clearly_and_do_not_disturb_others(make_engine):
         engine.add_request([10**9], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        engine.add_request("x", SamplingParams(logprobs=10**6))
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        engine.add_request("x", SamplingParams(stop_token_ids=[10**6]))
     while engine.has_unfinished_requests():
         engine.step()
     assert len(good.sequences[0].output_token_ids) == 16

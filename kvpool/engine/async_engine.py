@@ -1,0 +1,351 @@
+"""`AsyncLLMEngine`: one `LLMEngine` stepping in its own thread, fed by asyncio callers.
+
+    event loop(s)                          engine thread (the only one touching LLMEngine)
+    add_request / abort  ── commands ──▶   drain commands → step() → route outputs
+    RequestStream        ◀── outputs ───   loop.call_soon_threadsafe(queue.put_nowait, …)
+
+The engine thread steps while any request is unfinished and sleeps on an Event when idle (no
+busy spin; it wakes once a second so that an elastic KV pool can give idle memory back).
+Commands travel through a thread-safe FIFO, so an abort queued after an add always finds its
+request. After every iteration the thread publishes an `EngineSnapshot`, which
+readers on any thread may take without locking (one reference swap).
+
+Invariants: every request whose add succeeded gets exactly one final item on its stream, either
+a finished `RequestOutput` (finished or aborted) or an `EngineError`; once `shutdown` returns the
+thread has exited and no request remains in the engine. A step that raises fails every request
+in flight with an `EngineError` and the loop goes on; if even aborting them fails, or the pool
+does not come back empty, the engine reports itself unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.elastic_pool import KVPoolStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed this request (a step raised), not the request's own input."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down (or its thread has died) and takes no new requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's state between two steps, for metrics and status endpoints."""
+
+    memory: BlockPoolStats
+    kv_pool: KVPoolStats  # online blocks, segments, grows/shrinks (elastic pools resize)
+    stats: EngineStats
+    num_requests_running: int
+    num_requests_waiting: int
+    num_failed_steps: int
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator that ends after the finished one.
+
+    Outputs are cumulative, so the stream keeps only the newest one not yet taken: a consumer
+    that lags (a slow client) skips intermediate outputs and never piles them up in memory.
+    Leaving `async with stream:` before the end aborts the request.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncLLMEngine):
+        self.request_id = request_id
+        self.is_finished = False
+        self.loop = loop
+        self._engine = engine
+        self._latest: RequestOutput | None = None  # newest output not yet taken
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand an output or error to the consumer (called from the engine thread)."""
+        with contextlib.suppress(RuntimeError):  # the consumer's loop closed: nobody listens
+            self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._latest = item
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.is_finished:
+            raise StopAsyncIteration
+        while self._latest is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._latest is not None:  # an output that came before an error is still given
+            output, self._latest = self._latest, None
+            self.is_finished = output.finished
+            return output
+        self.is_finished = True
+        assert self._error is not None
+        raise self._error
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort_if_unfinished()
+
+    def abort_if_unfinished(self) -> None:
+        if not self.is_finished:
+            self.is_finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Serve an `LLMEngine` to many concurrent asyncio callers (continuous batching)."""
+
+    def __init__(self, engine: LLMEngine, idle_tick_seconds: float = 1.0) -> None:
+        """Start the engine thread. When idle it wakes every `idle_tick_seconds` (or at once
+        for a new command) to let an elastic KV pool shrink."""
+        self.engine = engine
+        self.idle_tick_seconds = idle_tick_seconds
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._no_requests = threading.Event()
+        self._no_requests.set()
+        self._streams: dict[str, RequestStream] = {}
+        self._request_ids = itertools.count()
+        self._is_accepting = True
+        self._accept_lock = threading.Lock()
+        self._is_stopping = False
+        self._num_failed_steps = 0
+        self.unhealthy_reason: str | None = None
+        self._snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ callers' side
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (thread-safe for encode/decode and chat templates)."""
+        return self.engine.tokenizer
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and self.unhealthy_reason is None
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._is_accepting and self._thread.is_alive()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The state as of the end of the engine thread's latest iteration."""
+        return self._snapshot
+
+    async def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and return its stream; ValueError (from the engine) if it is
+        invalid, EngineClosedError if the engine is shutting down."""
+        loop = asyncio.get_running_loop()
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        stream = RequestStream(request_id, loop, self)
+        added: asyncio.Future[None] = loop.create_future()
+        with self._accept_lock:  # the engine thread's last drain cannot miss this command
+            if not self.is_accepting:
+                raise EngineClosedError("the engine is shutting down and takes no new requests")
+            self._submit(lambda: self._add(stream, prompt, params, priority, cache_salt, added))
+        try:
+            await added
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it finds the request
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks return to the pool at the engine
+        thread's next iteration (at most one step away)."""
+        self._submit(lambda: self._abort(request_id))
+
+    def shutdown(self, grace_seconds: float = 0.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to `grace_seconds`, abort the
+        rest, and join the engine thread. Blocking: from asyncio, use `asyncio.to_thread`."""
+        self._is_accepting = False
+        if grace_seconds > 0:
+            self._no_requests.wait(grace_seconds)
+        self._submit(self._stop)
+        self._thread.join()
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._is_stopping:
+                self._wakeup.clear()
+                self._drain_commands()
+                if self._is_stopping:
+                    break
+                outputs: list[RequestOutput] = []
+                if self.engine.has_unfinished_requests():
+                    outputs = self._step()
+                else:
+                    self._resize_when_idle()
+                # Published before the outputs: whoever sees an output sees this state or newer.
+                self._snapshot = self._take_snapshot()
+                self._route(outputs)
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(self.idle_tick_seconds)
+        except BaseException as error:
+            logger.exception("the engine thread died")
+            self.unhealthy_reason = f"the engine thread died: {type(error).__name__}"
+            self._fail_all(EngineError("the engine thread died"))
+        finally:
+            self._fail_all(EngineClosedError("the engine has shut down"))
+            with self._accept_lock:
+                self._is_accepting = False
+                self._drain_commands()  # adds that raced the shutdown get their answer
+            self._snapshot = self._take_snapshot()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:
+                logger.exception("an engine command failed")
+                self.unhealthy_reason = "an engine command raised"
+
+    def _add(
+        self,
+        stream: RequestStream,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+        added: asyncio.Future[None],
+    ) -> None:
+        try:
+            if not self._is_accepting:
+                raise EngineClosedError("the engine is shutting down and takes no new requests")
+            self.engine.add_request(prompt, params, stream.request_id, priority, cache_salt)
+        except Exception as error:  # ValueError for bad input, delivered to the caller
+            _resolve(stream, added, error)
+            return
+        self._streams[stream.request_id] = stream
+        self._no_requests.clear()
+        _resolve(stream, added, None)
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and output is not None:
+            stream.put(output)
+        self._update_no_requests()
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as error:
+            logger.exception("engine step failed; failing every request in flight")
+            self._num_failed_steps += 1
+            self._fail_all(EngineError(f"engine step failed: {type(error).__name__}"))
+            return []
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+        self._update_no_requests()
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Abort every request in the engine and hand `error` to its stream."""
+        for request_id, stream in list(self._streams.items()):
+            stream.put(error)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+                self.unhealthy_reason = "aborting a failed request raised"
+        self._streams.clear()
+        self._update_no_requests()
+        if self.engine.memory_stats().num_used_blocks != 0:
+            self.unhealthy_reason = "KV blocks stayed in use after every request was aborted"
+
+    def _stop(self) -> None:
+        self._fail_all(EngineClosedError("the request was aborted: the server is shutting down"))
+        self._is_stopping = True
+
+    def _resize_when_idle(self) -> None:
+        """Steps resize the KV pool themselves; with no step to run, an elastic pool still
+        gets to give idle memory back (for a static pool this does nothing)."""
+        try:
+            self.engine.resize_kv_pool()
+        except Exception:
+            logger.exception("resizing the idle KV pool failed")
+            self.unhealthy_reason = "resizing the idle KV pool raised"
+
+    def _update_no_requests(self) -> None:
+        if not self._streams:
+            self._no_requests.set()
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        scheduler = self.engine.scheduler
+        return EngineSnapshot(
+            memory=self.engine.memory_stats(),
+            kv_pool=self.engine.kv_pool_stats(),
+            stats=self.engine.stats(),
+            num_requests_running=len({seq.request.request_id for seq in scheduler.running}),
+            num_requests_waiting=len({seq.request.request_id for seq in scheduler.waiting}),
+            num_failed_steps=self._num_failed_steps,
+        )
+
+
+def _resolve(
+    stream: RequestStream, future: asyncio.Future[None], error: BaseException | None
+) -> None:
+    """Settle an add's future on its own loop (from the engine thread)."""
+
+    def settle() -> None:
+        if future.done():  # the caller was cancelled and has already queued an abort
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):
+        stream.loop.call_soon_threadsafe(settle)

@@ -1,0 +1,73 @@
+"""`build_app(engine, config)`: the FastAPI application around a running `AsyncLLMEngine`.
+
+Request path: AuthMiddleware (401 before any work) → BodyLimitMiddleware (413) → FastAPI
+(validation errors become OpenAI-shaped 400s) → routes. On shutdown (the lifespan's end) the
+engine is given what is left of the grace period, then stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from kvpool.engine.async_engine import AsyncLLMEngine
+from kvpool.server.config import ServerConfig
+from kvpool.server.errors import install_error_handlers
+from kvpool.server.generation import ServerState
+from kvpool.server.metrics import ServerMetrics
+from kvpool.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from kvpool.server.routes import router
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving `engine`; the app's state is `app.state.kvpool`."""
+    config = config or ServerConfig()
+    state = ServerState(engine, config, ServerMetrics(engine, config.model_name))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.begin_shutdown()
+        elapsed = time.monotonic() - (state.shutdown_started_at or time.monotonic())
+        grace = max(0.0, config.shutdown_grace_seconds - elapsed)
+        await asyncio.to_thread(engine.shutdown, grace)
+
+    app = FastAPI(
+        title="kvpool",
+        summary="OpenAI-compatible LLM server on a paged KV-cache pool",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.kvpool = state
+    install_error_handlers(app)
+    app.include_router(router)
+    # Added last = runs first: authentication before the body is even read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(AuthMiddleware, keys=config.api_keys)
+    _drop_422_from_openapi(app)
+    return app
+
+
+def _drop_422_from_openapi(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body; this server answers 400 instead (errors.py)."""
+    build_schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build_schema()
+            for path_item in schema["paths"].values():
+                for operation in path_item.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,97 @@
+"""API keys, the tenants they name, and the prefix-cache salt derived from a tenant.
+
+Keys come from `--api-key` (tenant "default") and `--api-key-file`, one `tenant:key` per line
+(blank lines and `#` comments skipped). Only SHA-256 digests of the keys are kept, and a
+presented key is compared with every digest using `hmac.compare_digest`, without stopping at a
+match, so the time taken says nothing about which key (or how much of one) matched.
+
+Isolation: the salt the engine folds into every block hash is derived here, on the server, from
+the authenticated tenant; a client's `cache_salt` can only be appended to it (narrowing the
+sharing to requests that give the same salt), never replace it. Tenant names cannot contain NUL,
+so `tenant + NUL + client_salt` is unambiguous: no tenant/salt pair collides with another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TENANT = "default"
+MAX_CLIENT_SALT_CHARS = 256
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyTable:
+    """Tenants and their key digests; empty means authentication is off."""
+
+    entries: tuple[tuple[str, bytes], ...] = ()  # (tenant, sha256(key))
+
+    @classmethod
+    def from_keys(cls, tenant_keys: list[tuple[str, str]]) -> ApiKeyTable:
+        entries = []
+        for tenant, key in tenant_keys:
+            _check_tenant(tenant)
+            if not key or key != key.strip():
+                raise ValueError(f"the key of tenant {tenant!r} is empty or has edge whitespace")
+            entries.append((tenant, _digest(key)))
+        return cls(tuple(entries))
+
+    @classmethod
+    def from_config(cls, api_key: str | None, api_key_file: str | Path | None) -> ApiKeyTable:
+        """From `--api-key` and `--api-key-file` (either, both or neither)."""
+        tenant_keys = [(DEFAULT_TENANT, api_key)] if api_key else []
+        if api_key_file is not None:
+            tenant_keys += parse_key_file(Path(api_key_file).read_text(encoding="utf-8"))
+        return cls.from_keys(tenant_keys)
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self.entries)
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The tenant named by an `Authorization: Bearer <key>` header, or None."""
+        if authorization is None:
+            return None
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return None
+        presented = _digest(key.strip())
+        tenant = None
+        for entry_tenant, digest in self.entries:  # no early exit: constant work per key
+            if hmac.compare_digest(presented, digest):
+                tenant = entry_tenant
+        return tenant
+
+
+def parse_key_file(text: str) -> list[tuple[str, str]]:
+    """`tenant:key` lines -> pairs; ValueError naming the line number of a bad line."""
+    pairs = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        tenant, separator, key = line.partition(":")
+        if not separator or not tenant.strip() or not key.strip():
+            raise ValueError(f"api key file line {line_number}: expected 'tenant:key'")
+        pairs.append((tenant.strip(), key.strip()))
+    return pairs
+
+
+def derive_cache_salt(tenant: str, client_salt: str | None) -> str:
+    """The engine's cache salt: the tenant, narrowed by the client's salt when given."""
+    if client_salt is None:
+        return tenant
+    if len(client_salt) > MAX_CLIENT_SALT_CHARS:
+        raise ValueError(f"cache_salt must be at most {MAX_CLIENT_SALT_CHARS} characters")
+    return f"{tenant}\x00{client_salt}"
+
+
+def _check_tenant(tenant: str) -> None:
+    if not tenant or "\x00" in tenant or tenant != tenant.strip():
+        raise ValueError("tenant names must be non-empty, without NUL or edge whitespace")

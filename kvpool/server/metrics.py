@@ -1,0 +1,153 @@
+"""Prometheus metrics for `GET /metrics`, named as vLLM names them where vLLM has one.
+
+Pool and engine figures are read at scrape time from the engine's latest snapshot (a custom
+collector: no gauge to keep in sync, and the block pool's hot paths stay free of metrics code);
+latency histograms are observed by the server as each request finishes. Every app gets its own
+`CollectorRegistry`, so several apps (tests, benchmarks) can live in one process.
+
+    gauges     kvpool:kv_cache_usage_perc, kvpool:num_{free,used,cached}_blocks, kvpool:num_blocks,
+               kvpool:kv_cache_unfilled_slots, kvpool:num_requests_{running,waiting},
+               kvpool:kv_pool_{online,max}_blocks
+    counters   kvpool:prefix_cache_{queries,hits}_total (tokens),
+               kvpool:prefix_cache_evictions_total, kvpool:num_preemptions_total,
+               kvpool:{prompt,generation}_tokens_total,
+               kvpool:block_{allocations,frees}_total, kvpool:engine_step_failures_total,
+               kvpool:kv_pool_{grows,shrinks,migrated_blocks}_total,
+               kvpool:request_success_total{finished_reason}
+    histograms kvpool:time_to_first_token_seconds, kvpool:time_per_output_token_seconds,
+               kvpool:e2e_request_latency_seconds
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpool.engine.async_engine import AsyncLLMEngine
+from kvpool.engine.outputs import RequestOutput
+
+FINISH_REASONS = ("stop", "length", "abort")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class EngineCollector(Collector):
+    """Pool and engine figures from `AsyncLLMEngine.snapshot()`, read at each scrape."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.engine.snapshot()
+        memory, stats, kv_pool = snapshot.memory, snapshot.stats, snapshot.kv_pool
+        gauges = [
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", memory.usage),
+            ("num_blocks", "KV blocks in the pool.", memory.num_blocks),
+            ("num_free_blocks", "KV blocks free and holding no cached prefix.",
+             memory.num_free_blocks),
+            ("num_used_blocks", "KV blocks held by running sequences.", memory.num_used_blocks),
+            ("num_cached_blocks", "Unreferenced KV blocks keeping a reusable prefix.",
+             memory.num_cached_blocks),
+            ("kv_cache_unfilled_slots", "Token slots reserved in used blocks but not yet filled.",
+             memory.num_unfilled_slots),
+            ("num_requests_running", "Requests with sequences in the running batch.",
+             snapshot.num_requests_running),
+            ("num_requests_waiting", "Requests waiting for admission (or re-admission).",
+             snapshot.num_requests_waiting),
+            ("kv_pool_online_blocks", "KV blocks online (an elastic pool grows and shrinks).",
+             kv_pool.num_online_blocks),
+            ("kv_pool_max_blocks", "KV blocks the pool can hold at its largest.",
+             kv_pool.max_num_blocks),
+        ]
+        for name, documentation, value in gauges:
+            yield self._family(GaugeMetricFamily, name, documentation, value)
+        counters = [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             memory.prefix_cache_queries_tokens),
+            ("prefix_cache_hits", "Prompt tokens served by the prefix cache.",
+             memory.prefix_cache_hits_tokens),
+            ("prefix_cache_evictions", "Cached blocks evicted to make room.", memory.num_evictions),
+            ("num_preemptions", "Sequences preempted (KV dropped, recomputed later).",
+             stats.num_preemptions),
+            ("prompt_tokens", "Prompt tokens of every request added.", stats.num_prompt_tokens),
+            ("generation_tokens", "Tokens generated.", stats.num_generated_tokens),
+            ("block_allocations", "KV blocks handed out by the pool.", memory.num_allocations),
+            ("block_frees", "KV blocks returned to the pool.", memory.num_frees),
+            ("engine_step_failures", "Engine steps that raised (their requests failed).",
+             snapshot.num_failed_steps),
+            ("kv_pool_grows", "Segments an elastic KV pool brought online.", kv_pool.num_grows),
+            ("kv_pool_shrinks", "Segments an elastic KV pool gave back.", kv_pool.num_shrinks),
+            ("kv_pool_migrated_blocks", "Used blocks copied elsewhere by shrinks.",
+             kv_pool.num_migrated_blocks),
+        ]
+        for name, documentation, value in counters:
+            yield self._family(CounterMetricFamily, name, documentation, value)
+
+    def _family(self, kind: type, name: str, documentation: str, value: float) -> Metric:
+        family = kind(f"kvpool:{name}", documentation, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+
+class ServerMetrics:
+    """The app's registry: the engine collector plus per-request latency histograms."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "kvpool:time_to_first_token_seconds", "Arrival to first generated token.",
+            labels, registry=self.registry, buckets=TTFT_BUCKETS,
+        )
+        self.time_per_output_token = Histogram(
+            "kvpool:time_per_output_token_seconds",
+            "Per request: (finish - first token) / (output tokens - 1).",
+            labels, registry=self.registry, buckets=TPOT_BUCKETS,
+        )
+        self.e2e_request_latency = Histogram(
+            "kvpool:e2e_request_latency_seconds", "Arrival to finish, per request.",
+            labels, registry=self.registry, buckets=E2E_BUCKETS,
+        )
+        self.request_success = Counter(
+            "kvpool:request_success", "Finished requests, by finish reason of their first "
+            "completion (stop, length, abort).",
+            [*labels, "finished_reason"], registry=self.registry,
+        )
+        # Touch every series now, so a scrape shows zeros rather than nothing before traffic.
+        for histogram in (self.time_to_first_token, self.time_per_output_token,
+                          self.e2e_request_latency):
+            histogram.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Record a finished engine request's latencies."""
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        self.request_success.labels(self.model_name, reason or "abort").inc()
+        times = output.metrics
+        if times is None or times.first_token_time is None or times.finish_time is None:
+            return
+        self.time_to_first_token.labels(self.model_name).observe(
+            times.first_token_time - times.arrival_time
+        )
+        self.e2e_request_latency.labels(self.model_name).observe(
+            times.finish_time - times.arrival_time
+        )
+        num_output_tokens = max(len(completion.token_ids) for completion in output.outputs)
+        if num_output_tokens > 1:
+            self.time_per_output_token.labels(self.model_name).observe(
+                (times.finish_time - times.first_token_time) / (num_output_tokens - 1)
+            )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,218 @@
+"""The HTTP endpoints: OpenAI's completions, chat completions and models, plus /health,
+/metrics and /v1/kv/stats.
+
+A generation route: check the model name, take a concurrency slot, build the engine inputs in a
+worker thread (tokenizing can take a while; the event loop must not wait for it), queue them,
+then either stream server-sent events or wait for the end while watching for a disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+
+from kvpool.engine.async_engine import EngineClosedError, EngineError
+from kvpool.engine.outputs import RequestOutput
+from kvpool.server.auth import derive_cache_salt
+from kvpool.server.errors import OpenAIError, bad_request
+from kvpool.server.generation import ClientDisconnected, Generation, ServerState
+from kvpool.server.inputs import EngineInputs, chat_inputs, completion_inputs
+from kvpool.server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from kvpool.server.responses import (
+    SSE_DONE,
+    ChatStreamer,
+    CompletionStreamer,
+    chat_response,
+    completion_response,
+)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)
+}
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvpool
+
+
+@router.get("/health", responses=_ERRORS)
+async def health(request: Request) -> dict[str, str]:
+    engine = _state(request).engine
+    if not engine.is_healthy:
+        reason = engine.unhealthy_reason or "the engine thread is not running"
+        raise OpenAIError(503, f"unhealthy: {reason}", code="unhealthy")
+    return {"status": "ok"}
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/kv/stats", responses=_ERRORS)
+async def kv_stats(request: Request) -> dict[str, Any]:
+    """The block pool's snapshot (as of the engine's latest iteration), request counts, and
+    the KV memory behind the pool (online blocks, segments, arena)."""
+    snapshot = _state(request).engine.snapshot()
+    return {
+        **dataclasses.asdict(snapshot.memory),
+        "num_requests_running": snapshot.num_requests_running,
+        "num_requests_waiting": snapshot.num_requests_waiting,
+        "num_preemptions": snapshot.stats.num_preemptions,
+        "kv_pool": dataclasses.asdict(snapshot.kv_pool),
+    }
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+async def list_models(request: Request) -> ModelList:
+    state = _state(request)
+    cards = [
+        ModelCard(id=name, created=state.created, max_model_len=state.engine.max_model_len)
+        for name in state.config.served_model_names
+    ]
+    return ModelList(data=cards)
+
+
+@router.post("/v1/completions", response_model=Completion, responses=_ERRORS)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    model = state.check_model(body.model)
+    created, response_id = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    num_top = body.logprobs or 0
+
+    def stream_events(generation: Generation) -> AsyncIterator[str]:
+        streamer = CompletionStreamer(response_id, created, model, body.n, num_top)
+        return _sse_events(generation, streamer.chunks, streamer.usage_chunk, _wants_usage(body))
+
+    def respond(outputs: list[RequestOutput]) -> Completion:
+        return completion_response(response_id, created, model, outputs, body.n, num_top)
+
+    return await _generate(request, state, body, completion_inputs, response_id,
+                           stream_events, respond)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    model = state.check_model(body.model)
+    created, response_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    num_top = body.top_logprobs or 0
+
+    def stream_events(generation: Generation) -> AsyncIterator[str]:
+        streamer = ChatStreamer(response_id, created, model, num_top)
+        events = _sse_events(
+            generation,
+            lambda _index, output: streamer.chunks(output),
+            lambda outputs: streamer.usage_chunk(outputs[0]),
+            _wants_usage(body),
+        )
+        return _prefixed(streamer.role_chunks(body.n), events)
+
+    def respond(outputs: list[RequestOutput]) -> ChatCompletion:
+        return chat_response(response_id, created, model, outputs[0], num_top)
+
+    return await _generate(request, state, body, chat_inputs, response_id,
+                           stream_events, respond)
+
+
+async def _generate(
+    request: Request,
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    make_inputs: Callable[..., EngineInputs],
+    response_id: str,
+    stream_events: Callable[[Generation], AsyncIterator[str]],
+    respond: Callable[[list[RequestOutput]], Any],
+) -> Response:
+    try:
+        cache_salt = derive_cache_salt(request.state.tenant, body.cache_salt)
+    except ValueError as error:
+        raise bad_request(str(error), "cache_salt") from error
+    generation = state.begin()
+    is_streaming = False
+    try:
+        engine = state.engine
+        inputs = await asyncio.to_thread(
+            make_inputs, body, engine.tokenizer, engine.max_model_len, state.config
+        )
+        await generation.add(inputs, cache_salt, response_id)
+        if body.stream:
+            is_streaming = True
+            return StreamingResponse(
+                stream_events(generation),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+                background=BackgroundTask(generation.close),
+            )
+        try:
+            outputs = await generation.collect(request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except (EngineError, EngineClosedError) as error:
+            raise _engine_failure(error) from error
+        return JSONResponse(respond(outputs).model_dump())
+    finally:
+        if not is_streaming:
+            generation.close()
+
+
+async def _sse_events(
+    generation: Generation,
+    chunks: Callable[[int, RequestOutput], list[str]],
+    usage_chunk: Callable[[list[RequestOutput]], str],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for index, output in generation.outputs():
+            for event in chunks(index, output):
+                yield event
+            if output.finished:
+                finals[index] = output
+        if include_usage:
+            yield usage_chunk([finals[index] for index in sorted(finals)])
+    except (EngineError, EngineClosedError) as error:
+        yield f"data: {json.dumps(_engine_failure(error).body())}\n\n"
+    finally:
+        generation.close()
+    yield SSE_DONE
+
+
+async def _prefixed(first: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    for event in first:
+        yield event
+    async for event in rest:
+        yield event
+
+
+def _engine_failure(error: Exception) -> OpenAIError:
+    if isinstance(error, EngineClosedError):
+        return OpenAIError(503, "the request was aborted: the server is shutting down",
+                           code="service_unavailable")
+    return OpenAIError(500, "the engine failed while running this request", code="engine_error")
+
+
+def _wants_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)

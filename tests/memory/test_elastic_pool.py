@@ -1,0 +1,329 @@
+"""The elastic KV pool without a model: segments from the arena, growth, migration, policy.
+
+A tiny KV cache (256 bytes per block) over a 16-block arena, segments of 4 blocks. Data is
+written into blocks by hand so that a migration can be checked tensor for tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvpool.memory.arena import Arena
+from kvpool.memory.block_pool import BlockPool, OutOfBlocksError
+from kvpool.memory.block_table import BlockTable
+from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig, StaticKVPool
+from kvpool.memory.kv_cache import KVCache, kv_bytes_per_block
+
+BLOCK_SIZE = 2
+KV_SHAPE = (2, BLOCK_SIZE, 1, 8)  # layers, block_size, kv heads, head_dim
+BYTES_PER_BLOCK = kv_bytes_per_block(*KV_SHAPE, torch.float32)  # 256
+TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=12)
+
+
+def make_elastic(capacity_blocks: int = 16, **options) -> ElasticKVPool:
+    options = {"segment_blocks": 4, "initial_blocks": 4, "idle_seconds": 0.0} | options
+    arena = Arena.reserve(capacity_blocks * BYTES_PER_BLOCK)
+    arena.buffer.view(torch.float32).fill_(float("nan"))  # what stale memory may hold
+    kv_cache = KVCache(capacity_blocks, *KV_SHAPE, storage=arena.buffer)
+    pool = BlockPool(0, BLOCK_SIZE, capacity_blocks=capacity_blocks)
+    return ElasticKVPool(pool, kv_cache, arena, ElasticPoolConfig(**options))
+
+
+def write_table(elastic: ElasticKVPool, tokens: list[int]) -> BlockTable:
+    """A table holding `tokens`, its blocks filled with data unique to each block."""
+    table = BlockTable(elastic.pool)
+    table.append_tokens(tokens)
+    for block_id in table.block_ids:
+        elastic.kv_cache.tensor[block_id] = torch.randn(elastic.kv_cache.tensor.shape[1:])
+    return table
+
+
+def test_segments_come_online_zeroed_until_the_budget_is_spent():
+    elastic = make_elastic()
+    tensor = elastic.kv_cache.tensor
+    assert [s.first_block_id for s in elastic.segments] == [0]
+    assert elastic.pool.online_block_ids() == [0, 1, 2, 3]
+    assert [elastic.grow() for _ in range(4)] == [True, True, True, False]
+    assert [s.first_block_id for s in elastic.segments] == [0, 4, 8, 12]
+    assert elastic.pool.num_blocks == elastic.max_num_blocks == 16
+    assert torch.count_nonzero(tensor) == 0, "every online block was zeroed"
+    stats = elastic.stats()
+    assert (stats.num_grows, stats.num_segments, stats.num_online_blocks) == (3, 4, 16)
+    assert stats.arena.num_allocated_bytes == 16 * BYTES_PER_BLOCK
+    assert stats.arena.num_free_bytes == 0
+    elastic.check_invariants()
+
+
+def test_offline_blocks_keep_their_bytes_except_block_zero():
+    elastic = make_elastic(initial_blocks=0)
+    tensor = elastic.kv_cache.tensor
+    assert elastic.pool.num_blocks == 0 and elastic.segments == []
+    assert torch.count_nonzero(tensor[0]) == 0, "block 0 is the padding id attention reads"
+    assert bool(tensor[1:].isnan().all())
+
+
+def test_initial_blocks_round_up_to_whole_segments_and_must_fit():
+    assert make_elastic(initial_blocks=5).pool.num_blocks == 8
+    assert make_elastic(initial_blocks=None).pool.num_blocks == 4  # one segment by default
+    assert make_elastic(initial_blocks=None, segment_blocks=64).pool.num_blocks == 16
+    with pytest.raises(ValueError, match="exceeds"):
+        make_elastic(initial_blocks=17)
+
+
+def test_the_last_segment_takes_what_is_left():
+    elastic = make_elastic(capacity_blocks=10)
+    while elastic.grow():
+        pass
+    assert [s.num_blocks for s in elastic.segments] == [4, 4, 2]
+    assert elastic.max_num_blocks == 10
+
+
+def test_shrink_migrates_used_blocks_and_their_data_survives():
+    elastic = make_elastic(initial_blocks=12)
+    left = write_table(elastic, list(range(7)))  # blocks 0..3: all of segment 0
+    middle = write_table(elastic, [9] * 6)  # blocks 4, 5, 6
+    right = write_table(elastic, [5, 6, 7])  # blocks 7 (segment 1) and 8 (segment 2)
+    shared = right.fork()
+    middle.free()  # 4, 5, 6 stay cached: segments 1 and 2 now hold one used block each
+    tables = [left, right, shared]
+    before = [elastic.kv_cache.tensor[table.block_ids].clone() for table in tables]
+    assert elastic.shrink(tables)  # a tie: the highest segment goes
+    assert [s.first_block_id for s in elastic.segments] == [0, 4]
+    # Block 8 moved into the least recently used cached block (6), evicting its prefix.
+    assert right.block_ids == shared.block_ids == [7, 6]
+    assert elastic.pool.ref_count(6) == 2
+    for table, data in zip(tables, before, strict=True):
+        assert torch.equal(elastic.kv_cache.tensor[table.block_ids], data)
+    stats = elastic.stats()
+    assert (stats.num_shrinks, stats.num_migrated_blocks, stats.num_online_blocks) == (1, 1, 8)
+    assert stats.arena.num_live_allocations == 2
+    assert stats.arena.num_free_bytes == 8 * BYTES_PER_BLOCK
+    elastic.check_invariants()
+
+
+def test_shrink_evicts_unreferenced_cached_blocks_and_moves_held_prefixes():
+    elastic = make_elastic(initial_blocks=4)
+    holder = write_table(elastic, [1, 2])  # block 0: full, so hashed
+    filler = write_table(elastic, [3, 4, 5, 6, 7, 8])  # blocks 1..3, hashed
+    assert elastic.grow()
+    other = write_table(elastic, [7, 7, 7])  # blocks 4, 5 of segment 1
+    filler.free()  # segment 0: one used block, three cached ones
+    data = elastic.kv_cache.tensor[0].clone()
+    assert elastic.shrink([holder, other])
+    assert [s.first_block_id for s in elastic.segments] == [4]
+    assert holder.block_ids[0] in (6, 7)
+    assert elastic.stats().num_evicted_blocks == 3
+    assert elastic.pool.match_prefix(holder.prefix_hashes([3, 4]), [3, 4]) == []
+    holder.free()
+    reader = BlockTable(elastic.pool)
+    assert reader.take_cached_prefix([1, 2, 9]) == 2  # the moved block still serves [1, 2]
+    assert torch.equal(elastic.kv_cache.tensor[reader.block_ids[0]], data)
+    elastic.check_invariants()
+
+
+def test_shrink_refuses_when_the_other_segments_lack_room():
+    elastic = make_elastic(initial_blocks=8)
+    table = write_table(elastic, list(range(9)))  # blocks 0..4: 3 blocks free in all
+    assert elastic.shrink([table]) is False
+    assert elastic.pool.num_blocks == 8 and table.block_ids == [0, 1, 2, 3, 4]
+    assert make_elastic(initial_blocks=0).shrink([]) is False
+
+
+def test_shrink_refuses_tables_that_miss_a_reference_and_changes_nothing():
+    elastic = make_elastic(initial_blocks=8)
+    full = write_table(elastic, list(range(8)))  # segment 0
+    table = write_table(elastic, [1, 2, 3])  # blocks 4, 5: segment 1 is the emptiest
+    fork = table.fork()
+    with pytest.raises(ValueError, match="every live block table"):
+        elastic.shrink([full, table])  # the fork also holds blocks 4 and 5
+    assert elastic.pool.num_blocks == 8 and fork.block_ids == table.block_ids == [4, 5]
+    elastic.check_invariants()
+
+
+def test_policy_grows_under_the_watermark_and_shrinks_after_a_continuous_idle_time():
+    elastic = make_elastic(initial_blocks=4, idle_seconds=5.0, low_watermark_blocks=1)
+    busy = write_table(elastic, list(range(8)))  # all 4 blocks
+    elastic.maybe_resize(0.0, [busy])
+    assert elastic.pool.num_blocks == 8 and elastic.stats().num_grows == 1
+    busy.free()  # 8 allocatable >= one segment + the watermark: the idle clock starts
+    elastic.maybe_resize(10.0, [])
+    elastic.maybe_resize(14.0, [])
+    burst = write_table(elastic, list(range(20, 28)))  # 4 allocatable: the clock restarts
+    elastic.maybe_resize(14.5, [burst])
+    burst.free()
+    elastic.maybe_resize(16.0, [])
+    elastic.maybe_resize(20.9, [])
+    assert elastic.pool.num_blocks == 8
+    elastic.maybe_resize(21.0, [])
+    assert elastic.pool.num_blocks == 4 and elastic.stats().num_shrinks == 1
+    elastic.maybe_resize(100.0, [])  # the initial segment is the floor
+    assert elastic.pool.num_blocks == 4
+
+
+def test_policy_gives_back_one_segment_per_idle_period_down_to_the_initial_blocks():
+    elastic = make_elastic(initial_blocks=4, idle_seconds=1.0)
+    assert elastic.grow() and elastic.grow()
+    online = []
+    for now in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0):
+        elastic.maybe_resize(now, [])
+        online.append(elastic.pool.num_blocks)
+    assert online == [12, 12, 8, 8, 4, 4, 4, 4]
+    lazy = make_elastic(initial_blocks=0)
+    assert lazy.grow()
+    lazy.maybe_resize(0.0, [])
+    assert lazy.pool.num_blocks == 0, "a lazy pool gives everything back"
+
+
+def test_reset_gives_back_segments_grown_since_start_and_zeroes_counters():
+    elastic = make_elastic(initial_blocks=4)
+    assert elastic.grow() and elastic.grow()
+    table = write_table(elastic, list(range(12)))
+    table.free()
+    elastic.reset()
+    assert [s.first_block_id for s in elastic.segments] == [0]
+    assert elastic.pool.free_block_ids() == [0, 1, 2, 3] and elastic.pool.num_cached_blocks == 0
+    stats = elastic.stats()
+    assert (stats.num_grows, stats.num_shrinks, stats.num_migrated_blocks) == (0, 0, 0)
+    assert elastic.pool.stats().num_allocations == 0
+    used = write_table(elastic, [1])
+    with pytest.raises(ValueError):
+        elastic.reset()
+    used.free()
+
+
+def test_static_pool_is_the_null_object():
+    arena = Arena.reserve(8 * BYTES_PER_BLOCK)
+    handle = arena.allocate(8 * BYTES_PER_BLOCK, alignment=BYTES_PER_BLOCK, size_class=False)
+    storage = handle.view(torch.uint8)
+    storage.view(torch.float32).fill_(float("nan"))
+    kv_cache = KVCache(8, *KV_SHAPE, storage=storage)
+    static = StaticKVPool(BlockPool(8, BLOCK_SIZE), kv_cache, arena)
+    assert torch.count_nonzero(kv_cache.tensor) == 0
+    table = BlockTable(static.pool)
+    table.append_tokens(list(range(16)))
+    assert static.grow() is False and static.shrink([table]) is False
+    static.maybe_resize(1e9, [table])
+    stats = static.stats()
+    assert (stats.mode, stats.num_online_blocks, stats.max_num_blocks) == ("static", 8, 8)
+    assert (stats.num_grows, stats.num_shrinks, stats.arena.num_free_bytes) == (0, 0, 0)
+
+
+# ------------------------------------------------------------------ property test
+def token_value(tokens: list[int], position: int) -> float:
+    """The 'KV' a token gets: a function of its whole prefix, as a model's KV is."""
+    return float(hash(tuple(tokens[: position + 1])) % 100_003)
+
+
+class ElasticPoolMachine(RuleBasedStateMachine):
+    """Sequences write KV while the pool grows, shrinks and resizes under its policy; every
+    table must always read back the values of its own tokens."""
+
+    sequences = Bundle("sequences")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elastic = make_elastic(
+            capacity_blocks=16, segment_blocks=4, initial_blocks=0, low_watermark_blocks=1
+        )
+        self.tables: dict[int, BlockTable] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.next_id = 0
+        self.now = 0.0
+
+    def _append(self, seq: int, table: BlockTable, new_tokens: list[int]) -> bool:
+        start = table.num_tokens
+        while True:  # as the engine's KV manager does: grow before giving up
+            try:
+                copies = table.append_tokens(new_tokens)
+                break
+            except OutOfBlocksError:
+                if not self.elastic.grow():
+                    return False
+        self.elastic.kv_cache.copy_blocks(copies)  # copy-on-write, before any new write
+        self.tokens[seq] += new_tokens
+        for position in range(start, table.num_tokens):
+            slot = table.slot(position)
+            block = self.elastic.kv_cache.tensor[slot // BLOCK_SIZE]
+            block[:, :, slot % BLOCK_SIZE] = token_value(self.tokens[seq], position)
+        return True
+
+    @rule(target=sequences, tokens=TOKENS)
+    def new_sequence(self, tokens):
+        seq = self.next_id = self.next_id + 1
+        table = BlockTable(self.elastic.pool)
+        table.take_cached_prefix(tokens)
+        self.tokens[seq] = list(tokens[: table.num_tokens])
+        if not self._append(seq, table, tokens[table.num_tokens :]):
+            table.free()
+            del self.tokens[seq]
+            return None
+        self.tables[seq] = table
+        return seq
+
+    @rule(seq=sequences, tokens=TOKENS)
+    def append(self, seq, tokens):
+        if seq in self.tables:
+            self._append(seq, self.tables[seq], tokens)
+
+    @rule(target=sequences, seq=sequences)
+    def fork(self, seq):
+        if seq not in self.tables:
+            return None
+        child = self.next_id = self.next_id + 1
+        self.tables[child] = self.tables[seq].fork()
+        self.tokens[child] = list(self.tokens[seq])
+        return child
+
+    @rule(seq=consumes(sequences))
+    def free(self, seq):
+        if seq in self.tables:
+            self.tables.pop(seq).free()
+            del self.tokens[seq]
+
+    @rule(token=st.integers(min_value=3, max_value=5))
+    def fragment(self, token):
+        """One-block tables in every free block, then every other one freed: holes in every
+        segment, the state in which a shrink has to migrate."""
+        singles = []
+        while self.elastic.pool.num_allocatable_blocks or self.elastic.grow():
+            seq = self.next_id = self.next_id + 1
+            self.tables[seq], self.tokens[seq] = BlockTable(self.elastic.pool), []
+            self._append(seq, self.tables[seq], [token, seq])
+            singles.append(seq)
+        for seq in singles[::2]:
+            self.tables.pop(seq).free()
+            del self.tokens[seq]
+
+    @rule()
+    def grow(self):
+        self.elastic.grow()
+
+    @rule()
+    def shrink(self):
+        self.elastic.shrink(self.tables.values())
+
+    @rule(seconds=st.sampled_from([0.0, 0.5, 2.0]))
+    def resize(self, seconds):
+        self.now += seconds
+        self.elastic.maybe_resize(self.now, self.tables.values())
+
+    @invariant()
+    def every_table_reads_its_own_values(self):
+        self.elastic.check_invariants()
+        tensor = self.elastic.kv_cache.tensor
+        for seq, table in self.tables.items():
+            assert table.token_ids == self.tokens[seq]
+            for position in range(table.num_tokens):
+                slot = table.slot(position)
+                value = tensor[slot // BLOCK_SIZE, 0, 1, slot % BLOCK_SIZE, 0, 0].item()
+                assert value == token_value(self.tokens[seq], position)
+
+
+ElasticPoolMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None
+)
+TestElasticPoolMachine = ElasticPoolMachine.TestCase

@@ -1,0 +1,133 @@
+"""Server fixtures: real uvicorn servers on free loopback ports, over models loaded once.
+
+Two models: the real SmolLM2 (session fixture `smollm2`) where the text matters, and
+`fast_model`, SmolLM2's tokenizer over a tiny random-weight Llama with the same vocabulary, where
+only the server and the block pool are under test (auth, limits, disconnects, soak, fuzz): it
+steps in milliseconds, so those tests can send hundreds of requests.
+
+Every server is checked at teardown: after the graceful stop no block may still be in use and
+the pool's invariants must hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.engine.async_engine import AsyncLLMEngine
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import LLMEngine
+from kvpool.engine.setup import build_engine_parts
+from kvpool.model.config import ModelConfig
+from kvpool.model.loaders.auto import load_model
+from kvpool.model.loaders.base import LoadedModel
+from kvpool.server.app import build_app
+from kvpool.server.background import BackgroundServer
+from kvpool.server.config import ServerConfig
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclasses.dataclass
+class RunningServer:
+    base_url: str
+    engine: AsyncLLMEngine
+
+    def client(self, api_key: str = "unused", **options: Any) -> OpenAI:
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0,
+                      timeout=120, **options)
+
+    def async_client(self, api_key: str = "unused", **options: Any) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0,
+                           timeout=120, **options)
+
+    def http(self, **options: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=120, **options)
+
+    def kv_stats(self, **headers: str) -> dict[str, Any]:
+        response = httpx.get(f"{self.base_url}/v1/kv/stats", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def wait_until_idle(self, timeout: float = 20.0, **headers: str) -> dict[str, Any]:
+        """Poll /v1/kv/stats until no request runs or waits and no block is in use."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.kv_stats(**headers)
+            idle = stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+            if (idle and stats["num_used_blocks"] == 0) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+@contextmanager
+def serve(
+    loaded: LoadedModel, server_config: ServerConfig | None = None, **engine_options: Any
+) -> Iterator[RunningServer]:
+    """A real server over `loaded` (engine built per call, model shared)."""
+    config = EngineConfig(**{"enable_warmup": False, **engine_options})
+    engine = AsyncLLMEngine(LLMEngine(config, build_engine_parts(config, loaded)))
+    app = build_app(engine, server_config or ServerConfig(served_model_names=(MODEL,)))
+    with BackgroundServer(app) as background:
+        yield RunningServer(background.base_url, engine)
+    pool = engine.engine.pool
+    assert pool.num_used_blocks == 0, f"{pool.num_used_blocks} blocks leaked"
+    pool.check_invariants()
+
+
+@pytest.fixture(scope="session")
+def fast_model(smollm2: LoadedModel) -> LoadedModel:
+    """A two-layer random Llama with SmolLM2's vocabulary, EOS and tokenizer."""
+    config = dataclasses.replace(
+        ModelConfig.preset("tiny"),
+        vocab_size=smollm2.config.vocab_size,
+        eos_token_ids=smollm2.config.eos_token_ids,
+        bos_token_id=smollm2.config.bos_token_id,
+    )
+    dummy = load_model(config, load_format="dummy")
+    return LoadedModel(config, dummy.model, smollm2.tokenizer, dummy.load_seconds)
+
+
+@pytest.fixture
+def make_server(fast_model: LoadedModel) -> Iterator[Callable[..., RunningServer]]:
+    """Start servers over the fast model: `make_server(server_config, **engine_options)`;
+    each is stopped and leak-checked when the test ends."""
+    with ExitStack() as stack:
+
+        def start(server_config: ServerConfig | None = None, **options: Any) -> RunningServer:
+            options = {"num_gpu_blocks": 128, **options}
+            return stack.enter_context(serve(fast_model, server_config, **options))
+
+        yield start
+
+
+def offline_generate(loaded: LoadedModel, prompt: str | list[int], params: Any) -> Any:
+    """The same prompt through a plain `LLMEngine` (no server): the reference output."""
+    config = EngineConfig(num_gpu_blocks=64, enable_warmup=False)
+    engine = LLMEngine(config, build_engine_parts(config, loaded))
+    engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output
+    return final
+
+
+def scrape(server: RunningServer) -> dict[str, float]:
+    """/metrics as sample name (with any label but model_name) -> value."""
+    text = httpx.get(f"{server.base_url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            suffix = "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))
+            samples[sample.name + suffix] = sample.value
+    return samples

@@ -1,0 +1,112 @@
+"""API keys, tenants and prefix-cache isolation: unit checks of `kvpool.server.auth`, then the
+real server: 401 without or with a wrong key (and no work done), /health open, and one tenant
+never hitting another's cached prefix while a client salt only narrows sharing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvpool.server.auth import ApiKeyTable, derive_cache_salt, parse_key_file
+from kvpool.server.config import ServerConfig
+from tests.server.conftest import MODEL
+
+KEY_FILE = "# tenants\nalice: key-alice\n\nbob:key-bob\n"
+PROMPT = "The archive keeps every letter the harbour master ever wrote, " * 3
+
+
+def test_key_file_lines_name_tenants() -> None:
+    assert parse_key_file(KEY_FILE) == [("alice", "key-alice"), ("bob", "key-bob")]
+    with pytest.raises(ValueError, match="line 2: expected 'tenant:key'"):
+        parse_key_file("alice:key\nno-separator\n")
+    with pytest.raises(ValueError, match="line 1"):
+        parse_key_file(":key-without-tenant")
+
+
+def test_authenticate_finds_the_tenant_of_a_bearer_key() -> None:
+    table = ApiKeyTable.from_keys(parse_key_file(KEY_FILE))
+    assert table.authenticate("Bearer key-alice") == "alice"
+    assert table.authenticate("bearer key-bob") == "bob"
+    assert table.authenticate("Bearer key-carol") is None
+    assert table.authenticate("Basic key-alice") is None
+    assert table.authenticate("Bearer ") is None
+    assert table.authenticate(None) is None
+    assert not ApiKeyTable().is_enabled
+
+
+def test_api_key_and_key_file_combine(tmp_path: Path) -> None:
+    path = tmp_path / "keys.txt"
+    path.write_text(KEY_FILE)
+    table = ApiKeyTable.from_config("key-default", path)
+    assert [table.authenticate(f"Bearer key-{name}") for name in ("default", "alice")] == [
+        "default", "alice"
+    ]
+
+
+def test_cache_salt_is_the_tenant_narrowed_by_the_client() -> None:
+    assert derive_cache_salt("alice", None) == "alice"
+    salts = {
+        derive_cache_salt(tenant, client)
+        for tenant in ("alice", "bob")
+        for client in (None, "", "x", "bob")
+    }
+    assert len(salts) == 8  # no (tenant, client salt) pair collides with another
+    with pytest.raises(ValueError, match="at most 256"):
+        derive_cache_salt("alice", "s" * 257)
+
+
+@pytest.fixture
+def server(make_server, tmp_path: Path):
+    path = tmp_path / "keys.txt"
+    path.write_text(KEY_FILE)
+    keys = ApiKeyTable.from_config(None, path)
+    return make_server(ServerConfig(served_model_names=(MODEL,), api_keys=keys))
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+     ("GET", "/metrics"), ("GET", "/v1/kv/stats"), ("GET", "/openapi.json"), ("GET", "/nope")],
+)
+def test_every_route_but_health_needs_a_key(server, method: str, path: str) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": messages}
+    with httpx.Client(base_url=server.base_url) as http:
+        missing = http.request(method, path, json=body)
+        wrong = http.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
+        right = http.request(method, path, json=body, headers={"Authorization": "Bearer key-bob"})
+    assert missing.status_code == wrong.status_code == 401
+    assert missing.json()["error"]["code"] == "missing_api_key"
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert right.status_code == (404 if path == "/nope" else 200)
+
+
+def test_health_is_open_and_refused_requests_do_no_work(server) -> None:
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").completions.create(model=MODEL, prompt=PROMPT)
+    snapshot = server.engine.snapshot()
+    assert snapshot.stats.num_prompt_tokens == 0
+    assert snapshot.memory.num_allocations == 0
+
+
+def test_tenants_never_share_a_cached_prefix(server) -> None:
+    def cached(key: str, salt: str | None = None) -> int:
+        extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt is not None else {})
+        completion = server.client(api_key=key).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra
+        )
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("key-alice") == 0
+    assert cached("key-alice") > 0  # the same tenant hits its own prefix
+    assert cached("key-bob") == 0  # another tenant misses it: it can't hit (or time) it
+    assert cached("key-bob") > 0
+    assert cached("key-alice", salt="project-x") == 0  # a client salt narrows ...
+    assert cached("key-alice", salt="project-x") > 0
+    assert cached("key-bob", salt="project-x") == 0  # ... and never widens across tenants
+    assert cached("key-alice") > 0

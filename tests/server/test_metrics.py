@@ -1,0 +1,63 @@
+"""`/metrics`: every documented metric is exported, and its value agrees with the requests
+sent and with `/v1/kv/stats`; each app has its own registry."""
+
+from __future__ import annotations
+
+from tests.server.conftest import MODEL, scrape
+
+PROMPT = "A long prompt about lighthouses and the keepers who lit them every night. " * 3
+
+GAUGES = ("kv_cache_usage_perc", "num_blocks", "num_free_blocks", "num_used_blocks",
+          "num_cached_blocks", "kv_cache_unfilled_slots", "num_requests_running",
+          "num_requests_waiting", "kv_pool_online_blocks", "kv_pool_max_blocks")
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions",
+            "num_preemptions", "prompt_tokens", "generation_tokens", "block_allocations",
+            "block_frees", "engine_step_failures", "kv_pool_grows", "kv_pool_shrinks",
+            "kv_pool_migrated_blocks", "request_success")
+HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds",
+              "e2e_request_latency_seconds")
+
+
+def test_every_metric_is_exported(make_server) -> None:
+    samples = scrape(make_server())
+    for name in GAUGES:
+        assert f"kvpool:{name}" in samples
+    for name in COUNTERS[:-1]:
+        assert f"kvpool:{name}_total" in samples
+    for name in HISTOGRAMS:
+        assert f"kvpool:{name}_count" in samples
+
+
+def test_values_agree_with_the_requests_and_the_pool(make_server) -> None:
+    server = make_server(num_gpu_blocks=32)
+    client = server.client()
+    completions = [
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                  extra_body={"ignore_eos": True})
+        for max_tokens in (1, 5, 3)
+    ]
+    server.wait_until_idle()
+    samples, stats = scrape(server), server.kv_stats()
+    assert samples["kvpool:prompt_tokens_total"] == sum(c.usage.prompt_tokens for c in completions)
+    assert samples["kvpool:generation_tokens_total"] == 1 + 5 + 3
+    assert samples["kvpool:request_success_total{finished_reason=length}"] == 3
+    assert samples["kvpool:time_to_first_token_seconds_count"] == 3
+    assert samples["kvpool:e2e_request_latency_seconds_count"] == 3
+    assert samples["kvpool:time_per_output_token_seconds_count"] == 2  # one-token requests: none
+    cached = sum(c.usage.prompt_tokens_details.cached_tokens for c in completions)
+    assert samples["kvpool:prefix_cache_hits_total"] == stats["prefix_cache_hits_tokens"] == cached
+    assert cached > 0
+    assert samples["kvpool:prefix_cache_queries_total"] == stats["prefix_cache_queries_tokens"]
+    assert samples["kvpool:num_blocks"] == stats["num_blocks"] == 32
+    assert samples["kvpool:num_used_blocks"] == samples["kvpool:kv_cache_usage_perc"] == 0
+    assert samples["kvpool:num_free_blocks"] + samples["kvpool:num_cached_blocks"] == 32
+    assert samples["kvpool:block_allocations_total"] == stats["num_allocations"] > 0
+    assert samples["kvpool:block_frees_total"] == stats["num_frees"]
+    assert samples["kvpool:num_requests_running"] == samples["kvpool:num_requests_waiting"] == 0
+
+
+def test_each_app_has_its_own_registry(make_server) -> None:
+    first, second = make_server(), make_server()
+    first.client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert scrape(first)["kvpool:time_to_first_token_seconds_count"] == 1
+    assert scrape(second)["kvpool:time_to_first_token_seconds_count"] == 0
