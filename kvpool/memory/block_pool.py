@@ -21,6 +21,7 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - A block's ref_count equals the number of block tables holding it.
 - A block is on `_evictable_ids` iff its ref_count is 0 and the prefix cache holds its hash.
 - `_num_filled_slots_in_use` equals the filled slots summed over used blocks.
+- num_allocations - num_frees == num_used (counters are reset only on an empty pool).
 
 Policy, and why:
 - Fresh blocks are reused LIFO: the most recently freed block is the likeliest to still sit in a
@@ -70,8 +71,8 @@ class BlockPoolStats:
     num_cached_blocks: int
     usage: float  # used / total
     num_unfilled_slots: int  # reserved in used blocks but not yet holding a token
-    num_allocations: int
-    num_frees: int
+    num_allocations: int  # blocks that left free/cached (fresh, evicted, or cached and revived)
+    num_frees: int  # blocks that came back; allocations - frees == used since the last reset
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
     prefix_cache_queries_blocks: int
@@ -259,9 +260,10 @@ class BlockPool:
             if self._ref_counts[block_id] == 0 and block_id not in self._evictable_ids:
                 raise InvalidBlockError(f"cannot retain block {block_id}: it is free")
         for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
+            if self._ref_counts[block_id] == 0:  # a cached block leaves the pool again
                 del self._evictable_ids[block_id]
                 self._num_filled_slots_in_use += self._num_filled_slots[block_id]
+                self._num_allocations += 1
             self._ref_counts[block_id] += 1
 
     def set_num_filled_slots(self, block_id: int, num_filled: int) -> None:
@@ -430,6 +432,7 @@ class BlockPool:
                 assert (block_id in evictable) == is_hashed
                 assert (block_id in fresh) != is_hashed
         assert filled_in_use == self._num_filled_slots_in_use
+        assert self._num_allocations - self._num_frees == self.num_used_blocks, "counters drift"
 
     def _check_id(self, block_id: int) -> None:
         if not (isinstance(block_id, int) and self.is_online(block_id)):

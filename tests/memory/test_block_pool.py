@@ -91,6 +91,8 @@ def test_freed_hashed_block_stays_cached_and_can_be_revived():
     assert pool.evictable_block_ids() == [block] and pool.num_free_blocks == 3
     assert pool.take_prefix([block_hash], [7, 8]) == [block]
     assert pool.ref_count(block) == 1 and pool.num_cached_blocks == 0
+    # leaving the cached set counts as an allocation: allocations - frees == used blocks
+    assert (pool.stats().num_allocations, pool.stats().num_frees) == (2, 1)
     pool.check_invariants()
 
 
