@@ -246,7 +246,7 @@ class BlockPool:
     def _release(self, block_id: int) -> None:
         self._num_filled_slots_in_use -= self._num_filled_slots[block_id]
         self._num_frees += 1
-        if self.prefix_cache.is_cached(block_id):
+        if block_id in self.prefix_cache.hashed_block_ids:
             self._evictable_ids[block_id] = None
         else:
             self._num_filled_slots[block_id] = 0

@@ -95,6 +95,8 @@ class PrefixCache:
     def __init__(self) -> None:
         self._block_id_by_hash: dict[BlockHash, int] = {}
         self._entry_by_block_id: dict[int, CachedBlock] = {}
+        # A live, read-only view for O(1) membership tests on the pool's free path.
+        self.hashed_block_ids = self._entry_by_block_id.keys()
 
     def __len__(self) -> int:
         return len(self._entry_by_block_id)
