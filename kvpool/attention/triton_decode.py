@@ -60,6 +60,30 @@ def choose_num_splits(
 
 
 @triton.jit
+def load_kv_tile(
+    kv_head_ptr,
+    block_table_ptr,
+    tokens,
+    token_mask,
+    dims,
+    dim_mask,
+    stride_kv_block,
+    stride_kv_kv,
+    stride_kv_slot,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K and V of context `tokens` of one sequence and KV head, read through its block table:
+    two `[BLOCK_N, BLOCK_D]` tiles, zero where a token or dimension is masked out."""
+    block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+    row_offsets = block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_slot
+    kv_ptrs = kv_head_ptr + row_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
+    kv_mask = token_mask[:, None] & dim_mask[None, :]
+    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(kv_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _split_range(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
     """[start, end) of this split's context tokens; splits are whole tiles, the last one short."""
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -121,14 +145,10 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
-        row_offsets = (
-            block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_slot
-        )
-        kv_ptrs = kv_head_ptr + row_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(
+            kv_head_ptr, block_table_ptr, tokens, token_mask, dims, dim_mask,
+            stride_kv_block, stride_kv_kv, stride_kv_slot, BLOCK_SIZE,
+        )  # fmt: skip
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]

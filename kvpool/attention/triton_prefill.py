@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.attention.triton_decode import LOG2_E, dot_precision
+from kvpool.attention.triton_decode import LOG2_E, dot_precision, load_kv_tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +72,10 @@ def _attend_tiles(
     for tile_start in range(tile_begin, tile_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < tile_end
-        block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
-        row_offsets = (
-            block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_slot
-        )
-        kv_ptrs = kv_head_ptr + row_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(
+            kv_head_ptr, block_table_ptr, tokens, token_mask, dims, dim_mask,
+            stride_kv_block, stride_kv_kv, stride_kv_slot, BLOCK_SIZE,
+        )  # fmt: skip
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL:
