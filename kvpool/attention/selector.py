@@ -1,7 +1,8 @@
-"""Choosing the attention backend by name: "auto", "torch" or "triton".
+"""Choosing the attention backend by name: "auto", "cpu", "torch" or "triton".
 
-"auto" means Triton on a CUDA device when Triton imports, the PyTorch reference otherwise.
-Backends are imported only once chosen, so the CPU path never imports Triton unless asked.
+"auto" means Triton on a CUDA device when Triton imports; on the CPU, the C++ decode kernel
+("cpu") when it builds here; the PyTorch reference ("torch") otherwise. Backends are imported
+only once chosen, so the CPU path never imports Triton unless asked.
 """
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from kvpool.attention.cpu_kernels import (
+    CpuKernelsUnavailable,
+    cpu_kernels_available,
+    load_cpu_kernels,
+)
+
 if TYPE_CHECKING:
     import torch
 
     from kvpool.attention.backend import AttentionBackend
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 def _device_type(device: torch.device | str | None) -> str:
@@ -47,12 +54,21 @@ def is_triton_interpreter_on() -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device | str | None = None) -> str:
-    """The concrete backend ("torch" or "triton") that `name` means on `device`."""
+    """The concrete backend ("cpu", "torch" or "triton") that `name` means on `device`."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
     device_type = _device_type(device)
     if name == "auto":
-        return "triton" if device_type == "cuda" and is_triton_available() else "torch"
+        if device_type == "cuda":
+            return "triton" if is_triton_available() else "torch"
+        return "cpu" if device_type == "cpu" and cpu_kernels_available() else "torch"
+    if name == "cpu":
+        if device_type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU (got {device_type!r})")
+        try:
+            load_cpu_kernels()
+        except CpuKernelsUnavailable as error:
+            raise ValueError(f"attention backend 'cpu' is unavailable: {error}") from error
     if name == "triton":
         if not is_triton_available():
             raise ValueError("attention backend 'triton' needs the triton package")
@@ -67,11 +83,16 @@ def resolve_backend_name(name: str, device: torch.device | str | None = None) ->
 def get_attention_backend(
     name: str = "auto", device: torch.device | str | None = None
 ) -> AttentionBackend:
-    """An attention backend instance for `device` ("auto", "torch" or "triton")."""
-    if resolve_backend_name(name, device) == "triton":
+    """An attention backend instance for `device` ("auto", "cpu", "torch" or "triton")."""
+    resolved = resolve_backend_name(name, device)
+    if resolved == "triton":
         from kvpool.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if resolved == "cpu":
+        from kvpool.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     from kvpool.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend()

@@ -10,7 +10,8 @@ import argparse
 import dataclasses
 import re
 
-from kvpool.engine.config import ATTENTION_BACKENDS, EngineConfig
+from kvpool.attention.selector import ATTENTION_BACKENDS
+from kvpool.engine.config import EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.elastic_pool import KV_POOL_MODES, ElasticPoolConfig
 
@@ -75,7 +76,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
-    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto: triton on CUDA; on the CPU the C++ decode kernel (cpu) when it builds, "
+        "else the PyTorch reference (torch)",
+    )
     group.add_argument(
         "--enable-warmup",
         action=argparse.BooleanOptionalAction,

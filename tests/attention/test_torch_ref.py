@@ -1,4 +1,8 @@
-"""The torch paged-attention backend equals dense causal attention on random inputs."""
+"""The torch and cpu paged-attention backends equal dense causal attention on random inputs.
+
+The cpu backend is the torch one with decode attention in a C++ kernel (float32 on the CPU;
+other dtypes take the torch path), so both run every case here.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import random
 import pytest
 import torch
 
+from kvpool.attention.cpu_backend import CpuAttentionBackend
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend, plan_decode_groups
 from kvpool.memory.kv_cache import write_kv
@@ -15,6 +20,7 @@ from kvpool.memory.kv_cache import write_kv
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 
 
 def dense_attention(query, keys, values, scale):
@@ -32,7 +38,7 @@ def dense_attention(query, keys, values, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-def run_case(seq_shapes, block_size, group_size, dtype, seed=0):
+def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch"):
     """seq_shapes: (num_cached_tokens, query_len) per sequence, decodes first."""
     generator = torch.Generator().manual_seed(seed)
     num_heads = NUM_KV_HEADS * group_size
@@ -70,7 +76,7 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0):
         slot_mapping=slots,
         block_size=block_size,
     )
-    out = TorchAttentionBackend().forward(
+    out = BACKENDS[backend]().forward(
         torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_layer, metadata, scale
     )
     return out.float(), torch.cat(expected)
@@ -86,19 +92,23 @@ MIXED_BATCH = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("block_size", "group_size", "dtype"),
     list(itertools.product([1, 8, 16, 32], [1, 3], [torch.float32, torch.bfloat16])),
 )
-def test_paged_equals_dense_for_mixed_batches(block_size, group_size, dtype):
-    out, expected = run_case(MIXED_BATCH, block_size, group_size, dtype)
+def test_paged_equals_dense_for_mixed_batches(block_size, group_size, dtype, backend):
+    out, expected = run_case(MIXED_BATCH, block_size, group_size, dtype, backend=backend)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shapes", [[(0, 1)], [(40, 1), (3, 1)], [(0, 20)], [(13, 2), (1, 5)]])
-def test_decode_only_and_prefill_only_batches(shapes):
-    out, expected = run_case(shapes, block_size=8, group_size=3, dtype=torch.float32, seed=1)
+def test_decode_only_and_prefill_only_batches(shapes, backend):
+    out, expected = run_case(
+        shapes, block_size=8, group_size=3, dtype=torch.float32, seed=1, backend=backend
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -1,0 +1,58 @@
+"""The CPU attention backend: the PyTorch reference, with decode attention done by a C++
+kernel that reads K/V in place through the block tables (`csrc/paged_decode.cpp`).
+
+Decode attention dominates a CPU decode step once batches are large, and it is memory-bound:
+the reference gathers every sequence's context into a padded copy and then reads the copy,
+moving the context three times; the kernel reads it once, on torch's own threads. Prefill and
+extend chunks (query_len > 1) keep the reference's one SDPA call each, where the matmuls
+dominate. Inputs the kernel does not cover (other dtypes or devices) take the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.attention.cpu_kernels import load_cpu_kernels
+from kvpool.attention.metadata import AttentionMetadata
+from kvpool.attention.torch_ref import TorchAttentionBackend
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
+    kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """One decode query per sequence attending to its whole paged context (the C++ kernel)."""
+    load_cpu_kernels()
+    return torch.ops.kvpool_cpu.paged_decode(query, kv_cache_layer, block_tables, seq_lens, scale)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """`AttentionBackend` for the CPU: in-place paged decode kernel plus the reference prefill."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        load_cpu_kernels()  # fail at construction, not in the middle of a step
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decode, num_heads, head_dim]
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        is_float32 = query.dtype == kv_cache_layer.dtype == torch.float32
+        if query.device.type != "cpu" or not is_float32:
+            return super()._decode(query, kv_cache_layer, metadata, scale)
+        num_decode = query.shape[0]
+        return paged_decode(
+            query,
+            kv_cache_layer,
+            metadata.block_tables[:num_decode],
+            metadata.seq_lens[:num_decode],
+            scale,
+        )

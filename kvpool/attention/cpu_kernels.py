@@ -1,0 +1,104 @@
+"""Building and loading kvpool's C++ CPU kernels (`csrc/`), once per machine.
+
+The kernels are compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and
+ninja are needed) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
+`~/.cache/torch_extensions`); later processes only load the built library (well under a
+second). They register themselves as `torch.ops.kvpool_cpu.*`.
+
+They are built for this machine's CPU (`-march=native`), so the cache entry's name carries a
+fingerprint of the CPU's model and flags: a home directory shared between different machines
+never loads code built for another instruction set. `-ffast-math` lets the compiler vectorise
+`exp` and reassociate the dot-product sums (compile step only: the process's floating-point
+mode is untouched). When the build fails the caller falls back to the PyTorch path with one
+warning naming the cause; `KVPOOL_CPU_KERNELS=0` skips the kernels altogether.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+CSRC_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode.cpp",)
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+# Linking with -fopenmp records libgomp.so.1, the soname of the libgomp torch ships and has
+# already loaded, so at::parallel_for runs on torch's own OpenMP pool, never a second one.
+LINK_FLAGS = ("-fopenmp",)
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The C++ kernels could not be built or loaded here (the reason is the message)."""
+
+
+def cpu_fingerprint() -> str:
+    """A short hash of this CPU's model name and instruction-set flags."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    identity = "\n".join([platform.machine(), *lines])
+    return hashlib.sha256(identity.encode()).hexdigest()[:10]
+
+
+def is_disabled() -> bool:
+    """True when `KVPOOL_CPU_KERNELS=0` turns the kernels off."""
+    return os.environ.get("KVPOOL_CPU_KERNELS", "1") == "0"
+
+
+@functools.cache
+def load_cpu_kernels() -> None:
+    """Build (first time on this machine) and load the kernels; raise `CpuKernelsUnavailable`
+    with the reason when that is not possible. Cached: later calls return at once."""
+    if is_disabled():
+        raise CpuKernelsUnavailable("turned off by KVPOOL_CPU_KERNELS=0")
+    if platform.system() != "Linux":
+        raise CpuKernelsUnavailable(f"built on Linux only, not {platform.system()}")
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name=f"kvpool_cpu_kernels_{cpu_fingerprint()}",
+            sources=[str(CSRC_DIR / source) for source in SOURCES],
+            extra_cflags=list(COMPILE_FLAGS),
+            extra_ldflags=list(LINK_FLAGS),
+            is_python_module=False,
+        )
+    except Exception as error:  # no compiler, no ninja, a failed build: all mean "not here"
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise CpuKernelsUnavailable(f"{type(error).__name__}: {first_line}") from error
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """True when the kernels load; on the first failure warns once with the reason."""
+    try:
+        load_cpu_kernels()
+    except CpuKernelsUnavailable as error:
+        if not is_disabled():
+            warnings.warn(
+                f"kvpool's C++ CPU kernels are unavailable ({error}); using the PyTorch "
+                "attention path, which is slower",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
+    return True
+
+
+def main() -> None:
+    """`python -m kvpool.attention.cpu_kernels` (run by `make setup`): build the kernels now, so
+    the first engine does not wait for the compiler. Never fails: without the kernels kvpool
+    runs on the PyTorch path."""
+    try:
+        load_cpu_kernels()
+    except CpuKernelsUnavailable as error:
+        print(f"kvpool CPU kernels unavailable ({error}); the PyTorch attention path will be used")
+        return
+    print(f"kvpool CPU kernels ready (build for cpu {cpu_fingerprint()})")
+
+
+if __name__ == "__main__":
+    main()

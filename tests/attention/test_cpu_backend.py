@@ -1,0 +1,134 @@
+"""The C++ paged decode kernel (`kvpool_cpu::paged_decode`) and how it is built and chosen."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from kvpool.attention import cpu_kernels, selector
+from kvpool.attention.cpu_backend import paged_decode
+
+
+def make_decode_batch(seq_lens, block_size, num_kv_heads, group_size, head_dim, seed=0):
+    """A two-layer cache with the sequences' K/V in shuffled blocks of layer 1, plus queries.
+
+    Returns (query, layer view, block_tables, seq_lens tensor, per-sequence dense K/V).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-length // block_size) for length in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    block_ids = list(range(num_blocks))
+    random.Random(seed).shuffle(block_ids)
+    cache = torch.randn(
+        num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=generator
+    )  # [blocks, layers, K/V, block_size, Hkv, D]: layer 1's view is strided across blocks
+    layer = cache[:, 1]
+    tables = [[block_ids.pop() for _ in range(count)] for count in blocks_per_seq]
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    contexts = []
+    for table, length in zip(tables, seq_lens, strict=True):
+        keys = layer[table, 0].reshape(-1, num_kv_heads, head_dim)[:length]
+        values = layer[table, 1].reshape(-1, num_kv_heads, head_dim)[:length]
+        contexts.append((keys, values))
+    num_heads = num_kv_heads * group_size
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator)
+    return query, layer, block_tables, torch.tensor(seq_lens, dtype=torch.int32), contexts
+
+
+def dense_decode(query, contexts, scale):
+    outputs = []
+    for row, (keys, values) in zip(query, contexts, strict=True):
+        group_size = row.shape[0] // keys.shape[1]
+        keys = keys.repeat_interleave(group_size, dim=1)  # [context, H, D]
+        values = values.repeat_interleave(group_size, dim=1)
+        weights = (torch.einsum("hd,khd->hk", row, keys) * scale).softmax(-1)
+        outputs.append(torch.einsum("hk,khd->hd", weights, values))
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group_size", "block_size"),
+    [(64, 3, 16), (128, 4, 16), (64, 1, 5), (40, 2, 8), (128, 8, 1)],  # 40: the generic path
+)
+def test_paged_decode_equals_dense_attention(head_dim, group_size, block_size):
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97, 300]
+    query, layer, tables, lens, contexts = make_decode_batch(
+        seq_lens, block_size, num_kv_heads=2, group_size=group_size, head_dim=head_dim
+    )
+    scale = head_dim**-0.5
+    out = paged_decode(query, layer, tables, lens, scale)
+    torch.testing.assert_close(out, dense_decode(query, contexts, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_is_the_same_on_one_thread_and_many():
+    seq_lens = [random.Random(3).randint(1, 400) for _ in range(37)]
+    query, layer, tables, lens, _ = make_decode_batch(seq_lens, 16, 3, 3, 64, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = paged_decode(query, layer, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(paged_decode(query, layer, tables, lens, 0.125), single)
+
+
+def test_paged_decode_rejects_bad_input_with_a_reason():
+    query, layer, tables, lens, _ = make_decode_batch([5, 20], 16, 2, 2, 64)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        paged_decode(query.double(), layer.double(), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_decode(query, layer, tables.long(), lens, 1.0)
+    with pytest.raises(RuntimeError, match="out of range of the block tables"):
+        paged_decode(query, layer, tables, torch.tensor([5, 33], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="out of range of the block tables"):
+        paged_decode(query, layer, tables, torch.tensor([0, 20], dtype=torch.int32), 1.0)
+    bad_tables = tables.clone()
+    bad_tables[1, 1] = layer.shape[0]
+    with pytest.raises(RuntimeError, match=f"block id {layer.shape[0]} out of range"):
+        paged_decode(query, layer, bad_tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="head shapes disagree"):
+        paged_decode(query[:, :3], layer, tables, lens, 1.0)
+
+
+def test_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KVPOOL_CPU_KERNELS", "0")
+    cpu_kernels.load_cpu_kernels.cache_clear()
+    cpu_kernels.cpu_kernels_available.cache_clear()
+    try:
+        with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="KVPOOL_CPU_KERNELS=0"):
+            cpu_kernels.load_cpu_kernels()
+        assert selector.resolve_backend_name("auto", "cpu") == "torch"
+        with pytest.raises(ValueError, match="'cpu' is unavailable: turned off"):
+            selector.resolve_backend_name("cpu", "cpu")
+    finally:
+        cpu_kernels.load_cpu_kernels.cache_clear()
+        cpu_kernels.cpu_kernels_available.cache_clear()
+
+
+def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def failing_build(**_):
+        raise RuntimeError("Error building extension 'kvpool_cpu_kernels'\nno compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_build)
+    cpu_kernels.load_cpu_kernels.cache_clear()
+    cpu_kernels.cpu_kernels_available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="RuntimeError: Error building extension"):
+            assert selector.resolve_backend_name("auto", "cpu") == "torch"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the outcome is cached: no second warning
+            assert selector.resolve_backend_name("auto", "cpu") == "torch"
+    finally:
+        cpu_kernels.load_cpu_kernels.cache_clear()
+        cpu_kernels.cpu_kernels_available.cache_clear()
+
+
+def test_the_build_is_named_for_this_cpu():
+    fingerprint = cpu_kernels.cpu_fingerprint()
+    assert len(fingerprint) == 10 and fingerprint == cpu_kernels.cpu_fingerprint()
