@@ -73,6 +73,7 @@ def run_kvpool(args: argparse.Namespace, workload: Workload) -> dict[str, object
         "num_steps": stats.num_steps,
         "prefix_cache_hit_tokens": pool.prefix_cache_hits_tokens,
         "step_phase_seconds": stats.phase_seconds,
+        "decode_only_model_seconds": stats.decode_only_model_seconds,
     }
 
 
@@ -157,7 +158,12 @@ def format_table(result: dict[str, object]) -> str:
         label = f"transformers output tokens / s (batch {result['baseline_batch_size']})"
         rows += [(label, result["baseline_output_tokens_per_s"]), ("speedup", result["speedup"])]
     phases = result["step_phase_seconds"]
-    rows += [(f"time in {phase}", f"{seconds:.1f} s") for phase, seconds in phases.items()]
+    decode_seconds = result["decode_only_model_seconds"]
+    for phase, seconds in phases.items():
+        rows.append((f"time in {phase}", f"{seconds:.1f} s"))
+        if phase == "model":
+            rows.append(("  in steps with prefill chunks", f"{seconds - decode_seconds:.1f} s"))
+            rows.append(("  in decode-only steps", f"{decode_seconds:.1f} s"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(
         f"{label:<{width}}  {value:,.2f}"

@@ -51,6 +51,7 @@ class EngineStats:
     num_prompt_tokens: int
     num_generated_tokens: int
     phase_seconds: dict[str, float]  # wall time per step phase: schedule, model, sample, output
+    decode_only_model_seconds: float  # the part of phase "model" in steps with no prefill chunk
 
 
 class LLMEngine:
@@ -94,6 +95,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._phase_seconds = dict.fromkeys(("schedule", "model", "sample", "output"), 0.0)
+        self._decode_only_model_seconds = 0.0
         self.scheduler.num_preemptions = 0
         self.scheduler.num_recomputed_tokens = 0
         self.kv_pool.reset()
@@ -198,7 +200,9 @@ class LLMEngine:
         if batch.chunks:
             self._peak_used_blocks = max(self._peak_used_blocks, self.pool.num_used_blocks)
             logits = self.runner.execute(self._model_chunks(batch), batch.block_copies)
-            clock.lap("model")
+            model_seconds = clock.lap("model")
+            if all(chunk.num_new_tokens == 1 for chunk in batch.chunks):
+                self._decode_only_model_seconds += model_seconds
             self.scheduler.mark_computed(batch)
             self._sample_and_append(batch, logits, touched)
             self._num_steps += 1
@@ -314,6 +318,7 @@ class LLMEngine:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens,
             phase_seconds=dict(self._phase_seconds),
+            decode_only_model_seconds=self._decode_only_model_seconds,
         )
 
 
@@ -324,10 +329,13 @@ class _PhaseClock:
         self.totals = totals
         self.last = time.perf_counter()
 
-    def lap(self, phase: str) -> None:
+    def lap(self, phase: str) -> float:
+        """Charge the time since the previous lap to `phase`; return it (seconds)."""
         now = time.perf_counter()
-        self.totals[phase] += now - self.last
+        seconds = now - self.last
+        self.totals[phase] += seconds
         self.last = now
+        return seconds
 
 
 def _sequence_generator(seed: int | None, index: int) -> torch.Generator | None:

@@ -33,3 +33,15 @@ def test_throughput_json_against_the_transformers_baseline(capsys):
         out for _, out in Workload(5, (4, 12), (2, 6)).requests(512)
     )
     assert result["peak_blocks_used"] > 0 and result["speedup"] > 0
+    assert 0 < result["decode_only_model_seconds"] < result["step_phase_seconds"]["model"]
+
+
+def test_throughput_table_splits_model_time_into_prefill_and_decode(capsys):
+    argv = [
+        "bench", "throughput", "--model", "tiny", "--load-format", "dummy",
+        "--num-prompts", "3", "--input-len", "4", "12", "--output-len", "4", "6",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "output tokens / s" in table
+    assert "in steps with prefill chunks" in table and "in decode-only steps" in table
