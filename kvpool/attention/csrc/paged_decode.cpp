@@ -90,52 +90,56 @@ inline void softmax(float* row, int64_t length) {
   for (int64_t i = 0; i < length; ++i) row[i] *= inverse_total;
 }
 
+// Calls visit(position, row) for positions 0..seq_len-1 in order, where `row` points at that
+// token's rows for all KV heads in the plane starting at `plane` (the cache for K, the cache plus
+// kv_stride for V). Walks the block table once, prefetching the next block's rows as it goes.
+template <typename Visit>
+inline void for_each_token(const float* plane, const int32_t* block_table, int64_t seq_len,
+                           int64_t row_floats, const CacheLayout& layout, Visit&& visit) {
+  const int64_t num_blocks = (seq_len + layout.block_size - 1) / layout.block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* rows = plane + block_table[b] * layout.block_stride;
+    const float* next_rows =
+        plane + block_table[std::min(b + 1, num_blocks - 1)] * layout.block_stride;
+    const int64_t first = b * layout.block_size;
+    const int64_t count = std::min(layout.block_size, seq_len - first);
+    for (int64_t t = 0; t < count; ++t) {
+      prefetch(next_rows + t * layout.token_stride, row_floats);
+      visit(first + t, rows + t * layout.token_stride);
+    }
+  }
+}
+
 // Attention of one sequence's `num_heads` query rows (contiguous [num_heads, head_dim], already
-// scaled) over its context, walked block by block and token by token: each token's K (then V)
-// rows for all KV heads are one contiguous run, so the cache is streamed, never re-read.
+// scaled) over its context: each token's K (then V) rows for all KV heads are one contiguous
+// run, so the cache is streamed, never re-read. Query head h = kv_head * group_size + g.
 // `scores` is scratch for [num_heads, seq_len] floats; `out` is [num_heads, head_dim].
 template <int64_t kHeadDim>
 void attend_sequence(const float* __restrict query, float* __restrict out, const float* cache,
                      const int32_t* block_table, int64_t seq_len, const HeadShape& heads,
                      const CacheLayout& layout, float* __restrict scores) {
   const int64_t head_dim = heads.head_dim;
-  const int64_t row_floats = heads.num_kv_heads * layout.head_stride;  // a token's K (or V) row
-  const int64_t num_blocks = (seq_len + layout.block_size - 1) / layout.block_size;
-  const auto next_block = [num_blocks](int64_t b) { return std::min(b + 1, num_blocks - 1); };
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* keys = cache + block_table[b] * layout.block_stride;
-    const float* next_keys = cache + block_table[next_block(b)] * layout.block_stride;
-    const int64_t first = b * layout.block_size;
-    const int64_t count = std::min(layout.block_size, seq_len - first);
-    for (int64_t t = 0; t < count; ++t) {
-      prefetch(next_keys + t * layout.token_stride, row_floats);
-      const float* token_keys = keys + t * layout.token_stride;
-      for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
-        const float* key = token_keys + kv_head * layout.head_stride;
-        for (int64_t g = 0; g < heads.group_size; ++g, ++h)  // h: the query head
-          scores[h * seq_len + first + t] = dot<kHeadDim>(query + h * head_dim, key, head_dim);
-      }
-    }
-  }
+  const int64_t row_floats = heads.num_kv_heads * layout.head_stride;
+  for_each_token(cache, block_table, seq_len, row_floats, layout,
+                 [&](int64_t position, const float* keys) {
+                   for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
+                     const float* key = keys + kv_head * layout.head_stride;
+                     for (int64_t g = 0; g < heads.group_size; ++g, ++h)
+                       scores[h * seq_len + position] =
+                           dot<kHeadDim>(query + h * head_dim, key, head_dim);
+                   }
+                 });
   for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * seq_len, seq_len);
   std::fill(out, out + heads.num_heads * head_dim, 0.0f);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* values = cache + layout.kv_stride + block_table[b] * layout.block_stride;
-    const float* next_values =
-        cache + layout.kv_stride + block_table[next_block(b)] * layout.block_stride;
-    const int64_t first = b * layout.block_size;
-    const int64_t count = std::min(layout.block_size, seq_len - first);
-    for (int64_t t = 0; t < count; ++t) {
-      prefetch(next_values + t * layout.token_stride, row_floats);
-      const float* token_values = values + t * layout.token_stride;
-      for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
-        const float* value = token_values + kv_head * layout.head_stride;
-        for (int64_t g = 0; g < heads.group_size; ++g, ++h)
-          add_scaled<kHeadDim>(out + h * head_dim, value, scores[h * seq_len + first + t],
-                               head_dim);
-      }
-    }
-  }
+  for_each_token(cache + layout.kv_stride, block_table, seq_len, row_floats, layout,
+                 [&](int64_t position, const float* values) {
+                   for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
+                     const float* value = values + kv_head * layout.head_stride;
+                     for (int64_t g = 0; g < heads.group_size; ++g, ++h)
+                       add_scaled<kHeadDim>(out + h * head_dim, value,
+                                            scores[h * seq_len + position], head_dim);
+                   }
+                 });
 }
 
 // Splits sequences [0, num_seqs) into `num_parts` contiguous ranges of about equal total
