@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY_EXPORTS = {
     "LLM": "kvpool.engine.llm",
     "SamplingParams": "kvpool.engine.sampling_params",
+    "RequestOutputKind": "kvpool.engine.sampling_params",
     "RequestOutput": "kvpool.engine.outputs",
     "CompletionOutput": "kvpool.engine.outputs",
 }

@@ -16,8 +16,10 @@ position `seq_lens[i] - query_lens[i] + j` and attends causally to positions 0..
 
 Invariants: `query_start_loc[0] == 0`, `query_start_loc[-1] == num_tokens`,
 `1 <= query_lens[i] <= seq_lens[i]`, `block_tables[i]` holds at least
-`ceil(seq_lens[i] / block_size)` valid ids (padding after them is 0), and
-`slot_mapping` has one slot per new token, in the same flattened order.
+`layout.num_blocks_for_tokens(seq_lens[i])` valid ids, padded after them with the null block
+(`NULL_BLOCK_ID`, whose KV is zero: a read past the end never sees another request's KV), and
+`slot_mapping` has one slot per new token, in the same flattened order. Block size and every
+other fact about the KV cache come from `layout`, the engine's one `KVLayout`.
 """
 
 from __future__ import annotations
@@ -27,17 +29,24 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.memory.block_pool import NULL_BLOCK_ID
+from kvpool.memory.kv_layout import KVLayout
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: KV slot of each new token
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of query_lens
     seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
-    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, zero padded
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, null-block padded
     query_lens_cpu: tuple[int, ...]  # host copies, for backends that plan on the CPU
     seq_lens_cpu: tuple[int, ...]
-    block_size: int
+    layout: KVLayout
     num_decode_seqs: int  # the first num_decode_seqs sequences have query_len == 1
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
 
     @property
     def num_seqs(self) -> int:
@@ -62,7 +71,7 @@ class AttentionMetadata:
         seq_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         slot_mapping: Sequence[int],
-        block_size: int,
+        layout: KVLayout,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Build device tensors from per-sequence Python lists (one host→device copy each)."""
@@ -79,7 +88,9 @@ class AttentionMetadata:
         while num_decode_seqs < len(query_lens) and query_lens[num_decode_seqs] == 1:
             num_decode_seqs += 1
         max_num_blocks = max((len(table) for table in block_tables), default=0)
-        padded = [list(table) + [0] * (max_num_blocks - len(table)) for table in block_tables]
+        padded = [
+            list(table) + [NULL_BLOCK_ID] * (max_num_blocks - len(table)) for table in block_tables
+        ]
         starts = [0]
         for query_len in query_lens:
             starts.append(starts[-1] + query_len)
@@ -92,6 +103,6 @@ class AttentionMetadata:
             ),
             query_lens_cpu=tuple(query_lens),
             seq_lens_cpu=tuple(seq_lens),
-            block_size=block_size,
+            layout=layout,
             num_decode_seqs=num_decode_seqs,
         )

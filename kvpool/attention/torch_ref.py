@@ -123,14 +123,15 @@ MAX_DECODE_GROUPS = 8
 
 def plan_decode_groups(metadata: AttentionMetadata) -> list[DecodeGroup]:
     """Split the decode sequences into groups of similar length (longest first)."""
-    num_decode, block_size = metadata.num_decode_seqs, metadata.block_size
+    num_decode, layout = metadata.num_decode_seqs, metadata.layout
+    block_size = layout.block_size
     seq_lens = metadata.seq_lens_cpu[:num_decode]
     order = sorted(range(num_decode), key=lambda row: seq_lens[row], reverse=True)
     memberships: list[list[int]] = [[]]
     for row in order:
         members = memberships[-1]
         longest = seq_lens[members[0]] if members else seq_lens[row]
-        padded = (len(members) + 1) * (-(-longest // block_size) * block_size)
+        padded = (len(members) + 1) * layout.num_blocks_for_tokens(longest) * block_size
         real = sum(seq_lens[m] for m in members) + seq_lens[row] + block_size * (len(members) + 1)
         if members and padded > MAX_PADDING_FACTOR * real and len(memberships) < MAX_DECODE_GROUPS:
             memberships.append([])
@@ -141,7 +142,7 @@ def plan_decode_groups(metadata: AttentionMetadata) -> list[DecodeGroup]:
     groups = []
     for members in memberships:
         rows = torch.tensor(members, dtype=torch.int64, device=device)
-        num_blocks = -(-max(seq_lens[m] for m in members) // block_size)
+        num_blocks = layout.num_blocks_for_tokens(max(seq_lens[m] for m in members))
         positions = torch.arange(num_blocks * block_size, device=device)
         is_valid = positions[None, :] < metadata.seq_lens[rows, None]
         groups.append(
@@ -234,7 +235,7 @@ class TorchAttentionBackend:
     ) -> None:
         query_len = metadata.query_lens_cpu[seq_index]
         seq_len = metadata.seq_lens_cpu[seq_index]
-        num_blocks = -(-seq_len // metadata.block_size)
+        num_blocks = metadata.layout.num_blocks_for_tokens(seq_len)
         table = metadata.block_tables[seq_index : seq_index + 1, :num_blocks]
         keys, values = gather_context(
             kv_cache_layer, table, self.workspace

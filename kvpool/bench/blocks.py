@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from kvpool.memory import BlockPool, BlockTable
+from kvpool.memory.kv_layout import KVLayout, cdiv
 
 PREFIX_LOOKUP_TOKENS = 4096  # fixed: the JSON key names it
 TARGET_ALLOC_FREE_PAIRS_PER_S = 2_000_000
@@ -99,7 +100,7 @@ def _rates(run_once: Callable[[], int], num_repeats: int) -> tuple[float, ...]:
 
 def measure_alloc_free(config: BlocksBenchConfig) -> Measurement:
     """Single-block allocate + free pairs per second."""
-    pool = BlockPool(num_blocks=1024, block_size=config.block_size)
+    pool = BlockPool(1024, KVLayout(config.block_size))
     allocate, free, num_pairs = pool.allocate, pool.free, config.num_alloc_free_pairs
 
     def run_once() -> int:
@@ -115,7 +116,7 @@ def measure_alloc_free(config: BlocksBenchConfig) -> Measurement:
 
 def measure_alloc_free_batched(config: BlocksBenchConfig) -> Measurement:
     """Blocks per second through `allocate(n)` + `free(ids)` with n blocks per call."""
-    pool = BlockPool(num_blocks=1024, block_size=config.block_size)
+    pool = BlockPool(1024, KVLayout(config.block_size))
     allocate, free, batch = pool.allocate, pool.free, config.batch_num_blocks
     num_calls = max(1, config.num_alloc_free_pairs // batch)
 
@@ -137,7 +138,7 @@ def measure_append(config: BlocksBenchConfig) -> Measurement:
 
     def run_once() -> int:
         # A fresh pool per repeat, so every repeat hashes and publishes new blocks.
-        table = BlockTable(BlockPool(num_blocks=-(-num_tokens // size), block_size=size))
+        table = BlockTable(BlockPool(cdiv(num_tokens, size), KVLayout(size)))
         tables.append(table)
         append = table.append_tokens
         for token_list in single_token_lists:
@@ -154,7 +155,7 @@ def measure_prefix_lookup(config: BlocksBenchConfig) -> Measurement:
     """Milliseconds per prefix lookup (hashing included) of a cached 4,096-token prompt."""
     size = config.block_size
     token_ids = [(7 * index) % 49_152 for index in range(PREFIX_LOOKUP_TOKENS)]
-    pool = BlockPool(num_blocks=PREFIX_LOOKUP_TOKENS // size + 1, block_size=size)
+    pool = BlockPool(PREFIX_LOOKUP_TOKENS // size + 1, KVLayout(size))
     writer = BlockTable(pool)
     writer.append_tokens(token_ids)
     writer.free()  # its full blocks stay cached: the warm cache this lookup hits
@@ -164,9 +165,9 @@ def measure_prefix_lookup(config: BlocksBenchConfig) -> Measurement:
     for _ in range(config.num_repeats * config.num_lookups):
         with _gc_paused():
             start = time.perf_counter()
-            hit_ids = pool.match_prefix(reader.prefix_hashes(token_ids), token_ids)
+            match = pool.match_prefix(reader.prefix_hashes(token_ids), token_ids)
             elapsed = time.perf_counter() - start
-        assert len(hit_ids) == num_full_blocks, "the warm cache must hold the whole prompt"
+        assert len(match.block_ids) == num_full_blocks, "the warm cache must hold the whole prompt"
         samples.append(elapsed * 1e3)
     label = f"prefix lookup, {PREFIX_LOOKUP_TOKENS} tokens (ms)"
     return Measurement("prefix_lookup_4096_ms", label, tuple(samples), False,
@@ -212,18 +213,9 @@ def _fmt(value: float) -> str:
     return f"{value:,.0f}" if value >= 1000 else f"{value:.3f}"
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "blocks", help="allocate/free, append and prefix-lookup speed of the block pool"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quick", action="store_true", help="few iterations (for tests)")
-    parser.add_argument("--repeats", type=int, help="repeats per measurement")
-    parser.add_argument("--block-size", type=int, help="tokens per block (default 16)")
-    parser.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
+    """The benchmark of `kvpool bench blocks` (flags: kvpool.cli.bench); prints a table, or one
+    JSON object with `args.json`."""
     config = QUICK_CONFIG if args.quick else BlocksBenchConfig()
     if args.repeats is not None:
         config = replace(config, num_repeats=args.repeats)

@@ -38,10 +38,10 @@ def random_prompts(workload: Workload, vocab_size: int) -> list[list[int]]:
 
 def decode_bound(model_config, weight_bytes: int, workload: Workload, bandwidth: float) -> dict:
     """Bytes a mean decode step must read, and the time that takes at `bandwidth`."""
-    element_size = torch.empty((), dtype=getattr(torch, workload.dtype)).element_size()
-    kv_bytes_per_token = (
-        model_config.num_layers * 2 * model_config.num_kv_heads * model_config.head_dim
-    ) * element_size
+    from kvpool.memory.kv_layout import KVLayout
+
+    dtype = getattr(torch, workload.dtype)
+    kv_bytes_per_token = KVLayout.for_model(model_config, 1, dtype).bytes_per_token
     mean_context = workload.prompt_len + workload.output_len / 2
     kv_bytes = int(workload.batch * mean_context * kv_bytes_per_token)
     return {
@@ -63,8 +63,9 @@ def weight_bytes_read_per_step(model: torch.nn.Module, tie_word_embeddings: bool
 def run_engine(
     workload: Workload, device: torch.device, attention_backend: str, bandwidth: float
 ) -> dict:
-    """Generate through `LLMEngine.step()`, timing every step."""
-    from kvpool import LLM, SamplingParams
+    """Generate through `LLMEngine.step()`, timing every step; then a short seeded, sampled
+    run (temperature, top-k/top-p, penalties) on the same engine and device."""
+    from kvpool import LLM
 
     start = time.perf_counter()
     llm = LLM(
@@ -79,28 +80,10 @@ def run_engine(
     )
     load_s = time.perf_counter() - start
     engine = llm.engine
-    model = engine.runner.model
-    config = engine.model_config
-    params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
-    for prompt in random_prompts(workload, config.vocab_size):
-        engine.add_request({"prompt_token_ids": prompt}, params)
-    step_seconds, step_outputs, first_tokens = [], [], []
-    synchronize(device)
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        outputs = engine.step()
-        synchronize(device)
-        step_seconds.append(time.perf_counter() - step_start)
-        step_outputs.append(len(outputs))
-        first_tokens = next(
-            (list(o.outputs[0].token_ids) for o in outputs if o.request_id == "0"), first_tokens
-        )
-    total_s = time.perf_counter() - start
+    model, config = engine.runner.model, engine.model_config
+    timing = _timed_greedy_run(engine, workload, device)
     # A pure decode step advances every request by one token.
-    decode_steps = [
-        s for s, n in zip(step_seconds, step_outputs, strict=True) if n == workload.batch
-    ]
+    decode_steps = [s for s, n in timing.pop("steps") if n == workload.batch]
     weight_bytes = weight_bytes_read_per_step(model, config.tie_word_embeddings)
     bound = decode_bound(config, weight_bytes, workload, bandwidth)
     decode_ms = statistics.median(decode_steps) * 1e3 if decode_steps else None
@@ -108,15 +91,61 @@ def run_engine(
         "workload": asdict(workload),
         "attention_backend": model.attention_backend.name,
         "load_s": load_s,
-        "total_s": total_s,
-        "output_tok_per_s": workload.batch * workload.output_len / total_s,
-        "num_steps": len(step_seconds),
+        **timing,
+        "output_tok_per_s": workload.batch * workload.output_len / timing["total_s"],
         "num_decode_steps": len(decode_steps),
         "decode_step_ms": decode_ms,
         **bound,
         "decode_step_over_bound": decode_ms / bound["bound_ms"] if decode_ms else None,
-        "first_request_token_ids": first_tokens,
+        "sampled": sampled_decoding_check(llm, workload),
     }
+
+
+def _timed_greedy_run(engine, workload: Workload, device: torch.device) -> dict:
+    from kvpool import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
+    first_id = None
+    for prompt in random_prompts(workload, engine.model_config.vocab_size):
+        request = engine.add_request({"prompt_token_ids": prompt}, params)
+        first_id = first_id or request.request_id
+    steps, first_tokens = [], []
+    synchronize(device)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        synchronize(device)
+        steps.append((time.perf_counter() - step_start, len(outputs)))
+        first_tokens = next(
+            (list(o.outputs[0].token_ids) for o in outputs if o.request_id == first_id),
+            first_tokens,
+        )
+    return {"total_s": time.perf_counter() - start, "num_steps": len(steps), "steps": steps,
+            "first_request_token_ids": first_tokens}
+
+
+def sampled_decoding_check(llm, workload: Workload, num_prompts: int = 4) -> dict:
+    """Sampled decoding on the engine's device: seeded requests with n=2, top-k/top-p, min-p
+    and penalties. Passes when every token is a vocabulary id and a second run with the same
+    seeds gives the same tokens."""
+    from kvpool import SamplingParams
+
+    vocab_size = llm.engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": p[:32]}
+               for p in random_prompts(workload, vocab_size)[:num_prompts]]
+    params = [SamplingParams(n=2, temperature=0.8, top_k=50, top_p=0.9, min_p=0.01,
+                             repetition_penalty=1.1, presence_penalty=0.2, seed=index,
+                             max_tokens=8, ignore_eos=True) for index in range(len(prompts))]
+
+    def tokens() -> list[list[int]]:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [c.token_ids for o in outputs for c in o.outputs]
+
+    first, second = tokens(), tokens()
+    is_valid = all(0 <= t < vocab_size for row in first for t in row)
+    return {"num_sequences": len(first), "valid_tokens": is_valid,
+            "reproducible": first == second, "passed": is_valid and first == second}
 
 
 def _kv_cache_budget(device: torch.device) -> int:

@@ -167,7 +167,10 @@ def check_targets(steps: dict) -> dict:
     ratio = None
     if engine.get("output_tok_per_s") and hf.get("output_tok_per_s"):
         ratio = engine["output_tok_per_s"] / hf["output_tok_per_s"]
+    sampled = engine.get("sampled", {}).get("passed")
     return {
+        "sampled_decoding_on_device": {"value": None if sampled is None else float(sampled),
+                                       "passed": sampled},
         "attention_min_fraction_of_copy_bandwidth": _check(min_fraction, ">=", 0.70),
         "attention_max_time_vs_sdpa": _check(max_vs_sdpa, "<=", 1.0),
         "decode_step_max_over_bound": _check(over_bound, "<=", 1.5),

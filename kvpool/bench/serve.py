@@ -27,11 +27,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from kvpool.engine.args import add_engine_args, engine_config_from_args
+if TYPE_CHECKING:
+    from kvpool.engine.config import EngineConfig
 
 SERVED_NAME = "bench"
-DEFAULT_VOCAB_SIZE = 512  # every preset's vocabulary is at least this large
 MIN_TOKEN_ID = 10  # the lowest ids are special tokens in common vocabularies
 PERCENTILES = (50, 99)
 
@@ -178,50 +179,31 @@ def format_table(summary: dict[str, object]) -> str:
 
 
 @contextmanager
-def _in_process_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
-    """(base url, vocabulary size) of a server started here from the engine flags."""
+def _in_process_server(engine_config: EngineConfig) -> Iterator[tuple[str, int]]:
+    """(base url, vocabulary size) of a server started here on the engine configured."""
     from kvpool.engine.async_engine import AsyncLLMEngine
     from kvpool.engine.engine import LLMEngine
     from kvpool.server.app import build_app
     from kvpool.server.background import BackgroundServer
     from kvpool.server.config import ServerConfig
 
-    engine = AsyncLLMEngine(LLMEngine(engine_config_from_args(args)))
+    engine = AsyncLLMEngine(LLMEngine(engine_config))
     app = build_app(engine, ServerConfig(served_model_names=(SERVED_NAME,),
                                          max_concurrent_requests=None))
     with BackgroundServer(app) as server:
         yield server.base_url, engine.engine.model_config.vocab_size
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "serve", help="online latency/throughput over HTTP (own server, or --base-url)"
-    )
-    parser.add_argument("--base-url", default=None, help="a running server (default: start one)")
-    parser.add_argument("--served-model-name", default=None, help="`model` to send")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
-                        help="with --base-url: prompt token ids are drawn below this")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second, Poisson arrivals (default inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--input-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 128),
-                        metavar=("MIN", "MAX"))
-    parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_engine_args(parser)
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, engine_config: EngineConfig | None) -> int:
+    """The benchmark of `kvpool bench serve` (flags: kvpool.cli.bench): against
+    `args.base_url`, or else a server started here on `engine_config`. Returns 1 if a request
+    failed."""
     try:
         workload = ServeWorkload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
                                  args.request_rate, args.max_concurrency, args.workload_seed)
     except ValueError as error:
         raise SystemExit(f"kvpool bench serve: {error}") from error
-    with _server(args) as (base_url, vocab_size):
+    with _server(args, engine_config) as (base_url, vocab_size):
         model = args.served_model_name or (SERVED_NAME if args.base_url is None else None)
         results, duration = asyncio.run(
             run_workload(base_url, workload, vocab_size, model, args.api_key)
@@ -242,9 +224,12 @@ def _json_safe(value: object) -> object:
 
 
 @contextmanager
-def _server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+def _server(
+    args: argparse.Namespace, engine_config: EngineConfig | None
+) -> Iterator[tuple[str, int]]:
     if args.base_url is not None:
         yield args.base_url.rstrip("/"), args.vocab_size
         return
-    with _in_process_server(args) as server:
+    assert engine_config is not None, "an in-process server needs an engine config"
+    with _in_process_server(engine_config) as server:
         yield server

@@ -18,8 +18,10 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from kvpool.engine.args import add_engine_args, engine_config_from_args
+if TYPE_CHECKING:
+    from kvpool.engine.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +45,13 @@ class Workload:
         return requests
 
 
-def run_kvpool(args: argparse.Namespace, workload: Workload) -> dict[str, object]:
+def run_kvpool(
+    engine_config: EngineConfig, workload: Workload, show_progress: bool = True
+) -> dict[str, object]:
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling_params import SamplingParams
 
-    llm = LLM(**vars(engine_config_from_args(args)))
+    llm = LLM(**vars(engine_config))
     requests = workload.requests(llm.engine.model_config.vocab_size)
     prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
     params = [
@@ -55,7 +59,7 @@ def run_kvpool(args: argparse.Namespace, workload: Workload) -> dict[str, object
         for _, output_len in requests
     ]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    outputs = llm.generate(prompts, params, use_tqdm=show_progress)
     elapsed = time.perf_counter() - start
     num_output = sum(len(output.outputs[0].token_ids) for output in outputs)
     num_prompt = sum(len(prompt) for prompt, _ in requests)
@@ -77,11 +81,13 @@ def run_kvpool(args: argparse.Namespace, workload: Workload) -> dict[str, object
     }
 
 
-def run_transformers(args: argparse.Namespace, workload: Workload) -> dict[str, object]:
+def run_transformers(
+    args: argparse.Namespace, engine_config: EngineConfig, workload: Workload
+) -> dict[str, object]:
     import torch
     from tqdm.auto import tqdm
 
-    model = load_transformers_model(args)
+    model = load_transformers_model(engine_config)
     requests = workload.requests(model.config.vocab_size)
     batch_size = args.baseline_batch_size
     num_useful = 0
@@ -122,7 +128,7 @@ def _left_padded(prompts: list[list[int]]):
     return input_ids, attention_mask
 
 
-def load_transformers_model(args: argparse.Namespace):
+def load_transformers_model(config: EngineConfig):
     """The same weights in transformers: the GGUF file or HF directory kvpool loads, or the
     same seeded dummy weights."""
     from pathlib import Path
@@ -132,12 +138,12 @@ def load_transformers_model(args: argparse.Namespace):
 
     from kvpool.model import default_model_path
 
-    dtype = getattr(torch, args.dtype)
-    if args.load_format == "dummy":
+    dtype = getattr(torch, config.dtype)
+    if config.load_format == "dummy":
         from kvpool.bench.generation import load_dummy_hf_model
 
-        return load_dummy_hf_model(args.model, dtype, args.seed, args.device)
-    path = Path(args.model) if args.model else default_model_path()
+        return load_dummy_hf_model(config.model, dtype, config.seed, config.device)
+    path = Path(config.model) if config.model else default_model_path()
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     else:
@@ -173,25 +179,9 @@ def format_table(result: dict[str, object]) -> str:
     )
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "throughput", help="offline throughput on a seeded workload, optionally vs transformers"
-    )
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    parser.add_argument(
-        "--output-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX")
-    )
-    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
-    parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--baseline", choices=("none", "hf"), default="none")
-    parser.add_argument("--baseline-batch-size", type=int, default=16)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_engine_args(parser)
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    """The benchmark of `kvpool bench throughput` (flags: kvpool.cli.bench), on the engine
+    `engine_config` describes; prints a table, or one JSON object with `args.json`."""
     workload = Workload(
         num_prompts=args.num_prompts,
         input_len=tuple(args.input_len),
@@ -201,9 +191,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if min(*workload.input_len, *workload.output_len, workload.num_prompts) < 1:
         raise SystemExit("lengths and --num-prompts must be at least 1")
-    result: dict[str, object] = {"workload": asdict(workload), **run_kvpool(args, workload)}
+    result: dict[str, object] = {
+        "workload": asdict(workload),
+        **run_kvpool(engine_config, workload, show_progress=not args.json),
+    }
     if args.baseline == "hf":
-        result.update(run_transformers(args, workload))
+        result.update(run_transformers(args, engine_config, workload))
         result["speedup"] = result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"]
     print(json.dumps(result) if args.json else format_table(result))
     return 0

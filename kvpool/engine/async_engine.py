@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
-from kvpool.engine.outputs import RequestOutput
-from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.outputs import RequestOutput, merge_deltas
+from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.memory.block_pool import BlockPoolStats
-from kvpool.memory.elastic_pool import KVPoolStats
+from kvpool.memory.kv_pool import KVPoolStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +61,19 @@ class EngineSnapshot:
 class RequestStream:
     """The outputs of one request, as an async iterator that ends after the finished one.
 
-    Outputs are cumulative, so the stream keeps only the newest one not yet taken: a consumer
-    that lags (a slow client) skips intermediate outputs and never piles them up in memory.
+    The stream holds at most one output not yet taken: a consumer that lags (a slow client)
+    gets the newest cumulative output, or for `RequestOutputKind.DELTA` every delta since it
+    last took one merged into one (`merge_deltas`), so nothing piles up and nothing is lost.
     Leaving `async with stream:` before the end aborts the request.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncLLMEngine):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncLLMEngine,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         self.request_id = request_id
         self.is_finished = False
         self.loop = loop
         self._engine = engine
+        self._is_delta = output_kind is RequestOutputKind.DELTA
         self._latest: RequestOutput | None = None  # newest output not yet taken
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -83,6 +86,8 @@ class RequestStream:
     def _deliver(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self._error = item
+        elif self._latest is not None and self._is_delta:
+            self._latest = merge_deltas(self._latest, item)
         else:
             self._latest = item
         self._ready.set()
@@ -173,7 +178,7 @@ class AsyncLLMEngine:
         invalid, EngineClosedError if the engine is shutting down."""
         loop = asyncio.get_running_loop()
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        stream = RequestStream(request_id, loop, self)
+        stream = RequestStream(request_id, loop, self, params.output_kind)
         added: asyncio.Future[None] = loop.create_future()
         with self._accept_lock:  # the engine thread's last drain cannot miss this command
             if not self.is_accepting:
@@ -323,13 +328,13 @@ class AsyncLLMEngine:
             self._no_requests.set()
 
     def _take_snapshot(self) -> EngineSnapshot:
-        scheduler = self.engine.scheduler
+        num_running, num_waiting = self.engine.request_counts()
         return EngineSnapshot(
             memory=self.engine.memory_stats(),
             kv_pool=self.engine.kv_pool_stats(),
             stats=self.engine.stats(),
-            num_requests_running=len({seq.request.request_id for seq in scheduler.running}),
-            num_requests_waiting=len({seq.request.request_id for seq in scheduler.waiting}),
+            num_requests_running=num_running,
+            num_requests_waiting=num_waiting,
             num_failed_steps=self._num_failed_steps,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
-from kvpool.memory.elastic_pool import KV_POOL_MODES
+from kvpool.memory.kv_pool import KV_POOL_MODES
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes of KV cache on the CPU when nothing is said
 DEFAULT_CHUNKED_BATCHED_TOKENS = 1024

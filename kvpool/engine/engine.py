@@ -1,15 +1,23 @@
 """The engine: requests in, one batched step at a time, outputs out.
 
-A request's life: `add_request` creates its first sequence and block table and queues it;
-steps prefill it (blocks from the free list, cached prefix blocks shared), then decode it one
-token per step (a new block only when the last is full); when it finishes every block goes back.
+A request's life: `add_request` hashes its prompt's full blocks once and queues its first
+sequence; steps prefill it (blocks from the free list, cached prefix blocks shared), then decode
+it one token per step (a new block only when the last is full); when it finishes every block
+goes back.
 
-    step():  kv_pool.maybe_resize() → scheduler.schedule() → runner.execute(batch)
-             → sampler(logits) → outputs.append_token → scheduler.finish(finished sequences)
+    step():  schedule → execute → sample → update → outputs
 
-The KV pool resizes (an elastic pool grows or migrates blocks and shrinks) only at the top of
-a step, before anything is scheduled: no slot mapping or block copy is in flight then. At
-start-up a dummy batch warms the engine up (`kvpool.engine.warmup`), then every counter is reset.
+`scheduler.schedule()` picks the batch and reserves its slots; `runner.execute` runs the model
+(and the batch's block copies); `sampler` picks one token per logits row; `scheduler.update`
+marks what was computed, forks, appends, applies the stop rules and frees the finished; the
+output processor turns every request that changed into a `RequestOutput` (cumulative, delta or
+final only, as each request asks). A step whose model or sampler raises is rolled back
+(`Scheduler.roll_back`) before the error propagates, so the engine can go on.
+
+KV memory (`KVMemory`) resizes (an elastic pool grows or migrates blocks and shrinks) only at
+the top of a step, before anything is scheduled: no slot mapping or block copy is in flight
+then. At start-up a dummy batch warms the engine up (`kvpool.engine.warmup`), then every
+counter is reset.
 """
 
 from __future__ import annotations
@@ -23,19 +31,21 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.kv_manager import KVCacheManager
-from kvpool.engine.model_runner import ModelRunner, SequenceChunk
+from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.output_processor import OutputProcessor
 from kvpool.engine.outputs import RequestOutput
-from kvpool.engine.sampler import Sampler, SamplingRow
+from kvpool.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvpool.engine.sequence import FinishReason, Request, Sequence
+from kvpool.engine.sequence import FinishReason, Request
 from kvpool.engine.setup import EngineParts, build_engine_parts
 from kvpool.engine.warmup import warm_up
 from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
-from kvpool.memory.elastic_pool import KVPoolStats
+from kvpool.memory.kv_pool import KVPoolStats
+from kvpool.memory.prefix_cache import SaltKey, hash_full_blocks, salt_key
 
 PromptInput = str | SequenceOf[int] | dict
 
@@ -61,35 +71,30 @@ class LLMEngine:
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
         self.max_model_len = parts.max_model_len
-        self.pool = parts.pool
-        self.kv_cache = parts.kv_cache
-        self.kv_pool = parts.kv_pool
-        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.device)
-        watermark_blocks = int(config.watermark * parts.kv_pool.max_num_blocks)
-        self.kv_manager = KVCacheManager(parts.pool, watermark_blocks, parts.kv_pool)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.batched_tokens_limit(parts.max_model_len),
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
-            self.kv_manager,
-        )
-        self.sampler = Sampler(config.seed)
+        self.device = parts.device
+        self.kv_memory = parts.kv_memory
+        self.runner = ModelRunner(parts.model, self.kv_memory.kv_cache, parts.device)
         eos_ids = parts.tokenizer.eos_token_ids if parts.tokenizer else ()
         self.eos_token_ids = frozenset(eos_ids) | frozenset(parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.batched_tokens_limit(parts.max_model_len),
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        kv_manager = KVCacheManager(self.kv_memory)
+        self.scheduler = Scheduler(scheduler_config, kv_manager, stop_checker=self.outputs)
+        self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
+        self._request_ids = itertools.count()
         self.reset_stats()
         self.warmup_seconds = warm_up(self) if config.enable_warmup else 0.0
 
     def reset_stats(self) -> None:
-        """Zero every counter and return the KV pool to its start-up state; only while no
+        """Zero every counter and return KV memory to its start-up state; only while no
         request is unfinished (the warm-up calls it; so may a benchmark between phases)."""
         if self.requests:
             raise ValueError(f"cannot reset with {len(self.requests)} unfinished requests")
-        self._seq_ids = itertools.count()
-        self._request_ids = itertools.count()
         self._num_steps = 0
         self._peak_used_blocks = 0
         self._num_prompt_tokens = 0
@@ -98,7 +103,7 @@ class LLMEngine:
         self._decode_only_model_seconds = 0.0
         self.scheduler.num_preemptions = 0
         self.scheduler.num_recomputed_tokens = 0
-        self.kv_pool.reset()
+        self.kv_memory.reset()
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -109,20 +114,21 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); ValueError if it
-        can never run (too long for the model or for the whole KV pool)."""
+        """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); InvalidRequestError
+        (a ValueError naming the field) if it can never run."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt_text, token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         self._validate(request_id, token_ids, params)
-        request = Request(
-            request_id, prompt_text, token_ids, params, time.monotonic(), priority, cache_salt
-        )
-        request.sequences.append(self._new_sequence(request, index=0))
+        salt = _salt_key(cache_salt)
+        request = Request(request_id, prompt_text, token_ids, params, time.monotonic(), salt,
+                          _sequence_generators(params.seed, params.n, self.device), priority,
+                          cache_salt)
+        block_size = self.kv_memory.layout.block_size
+        self.scheduler.add_request(request, hash_full_blocks(token_ids, block_size, salt))
         self.requests[request_id] = request
-        self.scheduler.add(request.sequences[0])
         self._num_prompt_tokens += len(token_ids)
         return request
 
@@ -133,49 +139,41 @@ class LLMEngine:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as token ids")
+                raise InvalidRequestError(
+                    "this model has no tokenizer: give prompts as token ids", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
     def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError("the request id is already in use", "request_id")
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         vocab_size = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                f"{self.max_model_len} (room is needed for at least one output token)"
-            )
-        if not self.kv_manager.can_ever_fit(len(token_ids) + 1):
-            capacity = self.kv_pool.max_num_blocks * self.pool.block_size
-            raise ValueError(
+                f"{self.max_model_len} (room is needed for at least one output token)", "prompt")
+        if not self.kv_memory.can_ever_fit(len(token_ids) + 1):
+            capacity = self.kv_memory.max_num_blocks * self.kv_memory.layout.block_size
+            raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but the whole KV pool holds only "
-                f"{capacity} tokens: it could never run"
-            )
+                f"{capacity} tokens: it could never run", "prompt")
         if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary ({vocab_size})")
+            raise InvalidRequestError(f"logprobs exceeds the vocabulary ({vocab_size})",
+                                      "logprobs")
         if any(token_id >= vocab_size for token_id in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})",
+                                      "stop_token_ids")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-
-    def _new_sequence(self, request: Request, index: int) -> Sequence:
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            request=request,
-            index=index,
-            block_table=self.kv_manager.new_block_table(request.cache_salt),
-            generator=_sequence_generator(request.params.seed, index),
-        )
-        self.outputs.start(seq)
-        return seq
+            raise InvalidRequestError(
+                f"n exceeds max_num_seqs ({self.config.max_num_seqs})", "n")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now, wherever it is; its blocks return to the pool at once."""
+        """Stop a request now, wherever it is; its blocks return to the pool at once. Returns
+        its final output (finish reason "abort"), or None for an unknown id."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -187,113 +185,76 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def request_counts(self) -> tuple[int, int]:
+        """(running requests, waiting requests)."""
+        return self.scheduler.request_counts()
+
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that changed."""
+        """Run one batch; return an output for every request that changed (and whose output
+        kind hands one out now)."""
         clock = _PhaseClock(self._phase_seconds)
         self.resize_kv_pool()
         batch = self.scheduler.schedule()
-        touched: dict[str, Request] = {}
-        for seq in batch.length_capped:
-            self._finish(seq, FinishReason.LENGTH, None, touched)
         clock.lap("schedule")
-        if batch.chunks:
-            self._peak_used_blocks = max(self._peak_used_blocks, self.pool.num_used_blocks)
-            logits = self.runner.execute(self._model_chunks(batch), batch.block_copies)
-            model_seconds = clock.lap("model")
-            if all(chunk.num_new_tokens == 1 for chunk in batch.chunks):
-                self._decode_only_model_seconds += model_seconds
-            self.scheduler.mark_computed(batch)
-            self._sample_and_append(batch, logits, touched)
-            self._num_steps += 1
-            clock.lap("sample")
-        outputs = [self.outputs.make_output(request) for request in touched.values()]
-        for request in touched.values():
-            if request.is_finished:
-                self.requests.pop(request.request_id, None)
+        sampled = self._execute_and_sample(batch, clock)
+        changed = self.scheduler.update(batch, sampled)
+        clock.lap("sample")
+        outputs = self._make_outputs(changed)
         clock.lap("output")
         return outputs
 
-    def _model_chunks(self, batch: SchedulerOutput) -> list[SequenceChunk]:
-        chunks = []
-        for chunk in batch.chunks:
-            start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
-            chunks.append(
-                SequenceChunk(
-                    token_ids=chunk.seq.token_ids(start, end),
-                    num_computed_tokens=start,
-                    block_ids=chunk.seq.block_table.block_ids,
-                    needs_logits=chunk.completes_sequence,
-                )
-            )
-        return chunks
+    def _execute_and_sample(self, batch: SchedulerOutput, clock: _PhaseClock) -> SamplerOutput:
+        """The model and the sampler; if either raises, the step is rolled back first."""
+        if not batch.chunks:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        self._peak_used_blocks = max(self._peak_used_blocks,
+                                     self.kv_memory.pool.num_used_blocks)
+        try:
+            logits = self.runner.execute(batch.chunks, batch.block_copies)
+            model_seconds = clock.lap("model")
+            sampled = self.sampler(logits, self._sampling_rows(batch))
+        except BaseException:
+            self.scheduler.roll_back(batch)
+            raise
+        if all(chunk.num_new_tokens == 1 for chunk in batch.chunks):
+            self._decode_only_model_seconds += model_seconds
+        self._num_steps += 1
+        self._num_generated_tokens += len(sampled.token_ids)
+        return sampled
 
-    def _sample_and_append(
-        self, batch: SchedulerOutput, logits: torch.Tensor, touched: dict[str, Request]
-    ) -> None:
-        seqs: list[Sequence] = []
-        row_indices: list[int] = []
-        completing = [chunk.seq for chunk in batch.chunks if chunk.completes_sequence]
-        for row, seq in enumerate(completing):
-            for member in self._fork_if_needed(seq):
-                seqs.append(member)
-                row_indices.append(row)
-        rows = [self._sampling_row(seq) for seq in seqs]
-        if len(row_indices) != logits.shape[0]:  # forked rows repeat their parent's logits
-            logits = logits[torch.tensor(row_indices, device=logits.device)]
-        sampled = self.sampler(logits, rows)
+    def _sampling_rows(self, batch: SchedulerOutput) -> list[SamplingRow]:
+        """One row per logits row: each sampled sequence, or a sibling about to be forked."""
+        rows = []
+        for seq, index in batch.sampled_sequences():
+            params = seq.request.params
+            banned: tuple[int, ...] = ()
+            if len(seq.output_token_ids) < params.min_tokens:
+                eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+                banned = eos + tuple(params.stop_token_ids)
+            rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids,
+                                    seq.request.generators[index], banned))
+        return rows
+
+    def _make_outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
-        for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-            request = seq.request
-            request.first_token_time = request.first_token_time or now
-            touched[request.request_id] = request
-            self._num_generated_tokens += 1
-            decision = self.outputs.append_token(seq, token_id, logprobs)
-            if decision is not None:
-                self._finish(seq, decision[0], decision[1], touched)
-
-    def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
-        """At the end of a prompt's prefill, the request's other n - 1 sequences are born
-        sharing its blocks; all n sample their first token from the same logits."""
-        request = seq.request
-        if not request.needs_fork or seq.output_token_ids:
-            return [seq]
-        children = []
-        for index in range(len(request.sequences), request.params.n):
-            child = self._new_sequence(request, index)
-            request.sequences.append(child)
-            self.scheduler.fork(seq, child)
-            children.append(child)
-        return [seq, *children]
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        params = seq.request.params
-        banned: tuple[int, ...] = ()
-        if len(seq.output_token_ids) < params.min_tokens:
-            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-            banned = eos + tuple(params.stop_token_ids)
-        return SamplingRow(
-            params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned
-        )
-
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        stop_reason: str | int | None,
-        touched: dict[str, Request],
-    ) -> None:
-        self.outputs.flush(seq, reason, stop_reason)
-        self.scheduler.finish(seq, reason)
-        touched[seq.request.request_id] = seq.request
-        if seq.request.is_finished:
-            seq.request.finish_time = time.monotonic()
+        outputs = []
+        for request in changed:
+            if request.first_token_time is None and request.sequences[0].output_token_ids:
+                request.first_token_time = now
+            if request.is_finished:
+                request.finish_time = now
+                self.requests.pop(request.request_id, None)
+            output = self.outputs.make_output(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     # ------------------------------------------------------------ KV pool
     def resize_kv_pool(self) -> None:
-        """Let the KV pool grow or give memory back now. `step()` does this first; an idle
+        """Let KV memory grow or give memory back now. `step()` does this first; an idle
         server loop may call it between steps so that idle memory is still given back."""
-        self.kv_pool.maybe_resize(time.monotonic(), self._live_block_tables())
+        self.kv_memory.maybe_resize(time.monotonic(), self._live_block_tables())
 
     def _live_block_tables(self) -> Iterator[BlockTable]:
         """Every block table that may hold blocks (lazy: read only if blocks must move)."""
@@ -303,11 +264,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------ reporting
     def memory_stats(self) -> BlockPoolStats:
-        return self.pool.stats()
+        return self.kv_memory.block_stats()
 
     def kv_pool_stats(self) -> KVPoolStats:
         """The KV memory: online blocks, segments, grows, shrinks, migrations, arena bytes."""
-        return self.kv_pool.stats()
+        return self.kv_memory.pool_stats()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -320,6 +281,12 @@ class LLMEngine:
             phase_seconds=dict(self._phase_seconds),
             decode_only_model_seconds=self._decode_only_model_seconds,
         )
+
+    def check_invariants(self) -> None:
+        """Assert the scheduler's and KV memory's invariants (O(everything); for tests)."""
+        sequences = [seq for request in self.requests.values() for seq in request.sequences]
+        self.scheduler.check_invariants(sequences)
+        self.kv_memory.check_invariants()
 
 
 class _PhaseClock:
@@ -338,11 +305,23 @@ class _PhaseClock:
         return seconds
 
 
-def _sequence_generator(seed: int | None, index: int) -> torch.Generator | None:
-    """A private random stream per seeded sequence: completion `index` of seed s is the same
-    whatever else runs in the batch."""
+def _salt_key(cache_salt: str | None) -> SaltKey:
+    try:
+        return salt_key(cache_salt)
+    except UnicodeEncodeError:  # a lone surrogate: not text that can be hashed
+        raise InvalidRequestError("cache_salt must be valid Unicode text", "cache_salt") from None
+
+
+def _sequence_generators(
+    seed: int | None, n: int, device: torch.device
+) -> tuple[torch.Generator | None, ...]:
+    """A private random stream per completion of a seeded request, on the model's device:
+    completion `index` of seed s is the same whatever else runs in the batch."""
     if seed is None:
-        return None
-    generator = torch.Generator()
-    generator.manual_seed((seed * 0x9E3779B97F4A7C15 + index) % 2**63)
-    return generator
+        return (None,) * n
+    generators = []
+    for index in range(n):
+        generator = torch.Generator(device=device)
+        generator.manual_seed((seed * 0x9E3779B97F4A7C15 + index) % 2**63)
+        generators.append(generator)
+    return tuple(generators)

@@ -1,62 +1,60 @@
-"""The scheduler's one window onto the block pool: admission arithmetic, slots, forks, frees.
+"""The scheduler's one window onto KV memory: admission arithmetic, slots, forks, frees.
 
 The scheduler decides *who* runs; this class decides whether their blocks fit and takes them.
 Keeping every pool call here leaves one place to change when KV can also live elsewhere: a
 swap-to-host preemption mode replaces `preempt` (copy blocks out instead of dropping them) and
 `admit` (copy them back), and the scheduler does not change.
 
+Admission is planned once and carried out with the same prefix match: `plan_admission` looks
+the waiting sequence's block hashes up in the prefix cache (no hashing: the sequence keeps its
+hashes) and returns an `AdmissionPlan` holding the `PrefixMatch`; `admit` takes exactly those
+blocks. Nothing can evict them in between: planning only grows the pool.
+
 Admission keeps `watermark_blocks` free while others run, so running sequences can still grow
 a block after new ones are let in; growth itself (`append_slots`) may use every block.
 
-Before it reports that blocks do not fit, the manager asks the KV pool to grow (`kv_pool.grow`,
-a segment at a time, until they fit or the budget is spent): an elastic pool takes memory under
-pressure instead of preempting a sequence or refusing admission. A static pool never grows, so
-this costs it nothing. Growing only adds blocks; nothing already placed moves.
+Before it reports that blocks do not fit, the manager asks KV memory to grow
+(`KVMemory.grow_until_allocatable`): an elastic pool takes memory under pressure instead of
+preempting a sequence or refusing admission. A static pool never grows, so this costs it
+nothing. Growing only adds blocks; nothing already placed moves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 from kvpool.engine.sequence import Sequence
-from kvpool.memory.block_pool import BlockPool, OutOfBlocksError
-from kvpool.memory.block_table import BlockCopy, BlockTable, cdiv
-from kvpool.memory.elastic_pool import KVPool
+from kvpool.memory.block_table import BlockCopy, BlockTable
+from kvpool.memory.errors import OutOfBlocksError
+from kvpool.memory.kv_memory import KVMemory
+from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionPlan:
-    """How a waiting sequence enters: reuse `num_cached_tokens`, then compute `num_new_tokens`."""
+    """How a waiting sequence enters: reuse `prefix`, then compute `num_new_tokens`."""
 
-    num_cached_tokens: int
+    prefix: PrefixMatch
     num_new_tokens: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.prefix.num_cached_tokens
 
 
 class KVCacheManager:
-    def __init__(
-        self, pool: BlockPool, watermark_blocks: int = 0, kv_pool: KVPool | None = None
-    ) -> None:
-        """`kv_pool` (None: a pool of fixed size) is asked to grow when blocks run short."""
-        self.pool = pool
-        self.block_size = pool.block_size
-        self.watermark_blocks = watermark_blocks
-        self.kv_pool = kv_pool
+    def __init__(self, memory: KVMemory) -> None:
+        self.memory = memory
+        self.pool = memory.pool
+        self.layout = memory.layout
 
     def new_block_table(self, cache_salt: str | None) -> BlockTable:
         return BlockTable(self.pool, cache_salt)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether `num_tokens` tokens fit in the whole pool at its largest, alone."""
-        max_num_blocks = self.pool.num_blocks if self.kv_pool is None else (
-            self.kv_pool.max_num_blocks)
-        return cdiv(num_tokens, self.block_size) <= max_num_blocks
-
-    def _grow_until_allocatable(self, num_blocks: int) -> bool:
-        """Grow the KV pool until `num_blocks` blocks are allocatable; False if it cannot."""
-        while self.pool.num_allocatable_blocks < num_blocks:
-            if self.kv_pool is None or not self.kv_pool.grow():
-                return False
-        return True
+        return self.memory.can_ever_fit(num_tokens)
 
     def plan_admission(
         self, seq: Sequence, token_budget: int, allow_partial: bool, keep_watermark: bool
@@ -66,46 +64,52 @@ class KVCacheManager:
         The prefix lookup stops one token short of the end so that at least one token is
         computed: the step needs its logits. The watermark only matters when others run.
         """
-        tokens = seq.token_ids()
-        hashes = seq.block_table.prefix_hashes(tokens[:-1])
-        hit_ids = self.pool.match_prefix(hashes, tokens)
-        num_cached = len(hit_ids) * self.block_size
-        num_new = len(tokens) - num_cached
+        num_tokens = seq.num_tokens
+        prefix = self.pool.match_prefix(seq.block_hashes, seq.token_ids(0, num_tokens - 1))
+        num_new = num_tokens - prefix.num_cached_tokens
         if num_new > token_budget:
             if not allow_partial:
                 return None
             num_new = token_budget
-        num_new_blocks = cdiv(num_cached + num_new, self.block_size) - len(hit_ids)
-        # Cached hits nobody holds sit in the evictable set: reviving them uses allocatable blocks.
-        num_revived = sum(1 for block_id in hit_ids if self.pool.is_evictable(block_id))
-        needed = num_new_blocks + num_revived + (self.watermark_blocks if keep_watermark else 0)
-        if not self._grow_until_allocatable(needed):
+        needed = self.pool.num_blocks_to_admit(prefix, prefix.num_cached_tokens + num_new)
+        if keep_watermark:
+            needed += self.memory.watermark_blocks
+        if not self.memory.grow_until_allocatable(needed):
             return None
-        return AdmissionPlan(num_cached, num_new)
+        return AdmissionPlan(prefix, num_new)
 
     def admit(self, seq: Sequence, plan: AdmissionPlan) -> list[BlockCopy]:
-        """Take the cached prefix and the slots of the first chunk."""
-        tokens = seq.token_ids()
-        num_cached = seq.block_table.take_cached_prefix(tokens[:-1])
-        assert num_cached == plan.num_cached_tokens, "the pool changed between plan and admit"
-        seq.num_computed_tokens = num_cached
-        return self.append_slots(seq, plan.num_new_tokens)
-
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
-        """Slots for the next `num_new_tokens` tokens, growing the KV pool if it must;
-        OutOfBlocksError (the pool cannot grow enough) changes nothing."""
+        """Take the planned cached prefix and the slots of the first chunk."""
+        prefix = plan.prefix
+        cached_ids = seq.token_ids(0, prefix.num_cached_tokens)
+        seq.num_computed_tokens = seq.block_table.take_prefix(prefix, cached_ids, seq.block_hashes)
         start = seq.num_computed_tokens
-        new_tokens = seq.token_ids(start, start + num_new_tokens)
+        return self.append_slots(seq, seq.token_ids(start, start + plan.num_new_tokens))
+
+    def append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
+        """Slots for `new_token_ids`, the sequence's next uncomputed tokens, growing KV memory
+        if it must; OutOfBlocksError (it cannot grow enough) changes nothing."""
         try:  # the common case first: no extra work on the decode path
-            return seq.block_table.append_tokens(new_tokens, computed=False)
+            return seq.block_table.append_tokens(new_token_ids, computed=False)
         except OutOfBlocksError:
-            needed = seq.block_table.num_blocks_to_append(len(new_tokens))
-            if not self._grow_until_allocatable(needed):
+            needed = seq.block_table.num_blocks_to_append(len(new_token_ids))
+            if not self.memory.grow_until_allocatable(needed):
                 raise
-        return seq.block_table.append_tokens(new_tokens, computed=False)
+        return seq.block_table.append_tokens(new_token_ids, computed=False)
 
     def mark_computed(self, seq: Sequence) -> None:
-        seq.block_table.mark_computed(seq.num_computed_tokens)
+        """Offer the sequence's newly computed full blocks to the prefix cache."""
+        seq.block_table.mark_computed(seq.num_computed_tokens, seq.block_hashes)
+
+    def append_output(self, seq: Sequence, token_id: int) -> None:
+        """A sampled token joins the sequence; a block it fills gets its hash now."""
+        seq.output_token_ids.append(token_id)
+        size = self.layout.block_size
+        if seq.num_tokens % size == 0:
+            hashes = seq.block_hashes
+            unhashed = seq.token_ids(len(hashes) * size, seq.num_tokens)
+            parent = hashes[-1] if hashes else None
+            hashes.extend(hash_full_blocks(unhashed, size, seq.request.salt, parent))
 
     def fork(self, seq: Sequence) -> BlockTable:
         return seq.block_table.fork()

@@ -8,6 +8,7 @@ outs = llm.chat([{"role": "user", "content": "Hi"}], params)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -17,7 +18,7 @@ from tqdm.auto import tqdm
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine, PromptInput
 from kvpool.engine.outputs import RequestOutput
-from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.model.tokenizer import Tokenizer
 
@@ -47,7 +48,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is text, or {"prompt_token_ids": [...]}. If any prompt is invalid, ValueError
-        names it and nothing runs.
+        names it and nothing runs. The engine hands out each request's output once, when it
+        finishes (`RequestOutputKind.FINAL_ONLY`): nothing is copied along the way.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
@@ -127,7 +129,9 @@ def _as_params_list(
     if params is None:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
-        return [params] * num_prompts
+        params = [params] * num_prompts
     if len(params) != num_prompts:
         raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
-    return list(params)
+    final_only = RequestOutputKind.FINAL_ONLY
+    return [p if p.output_kind is final_only else dataclasses.replace(p, output_kind=final_only)
+            for p in params]

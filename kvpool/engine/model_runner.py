@@ -3,7 +3,10 @@
 The scheduler speaks in sequences and block tables; the model speaks in flat token ids,
 positions and `AttentionMetadata`. The runner translates: it orders the step's chunks decode
 first (so backends can launch one kernel per kind), flattens their tokens, computes each new
-token's slot from its block table, and maps the logits back to the caller's chunk order.
+token's slot from its block table (`KVLayout.slot_mapping`), and maps the logits back to the
+caller's chunk order. A chunk asks for `num_samples` logits rows of its last token: 0 mid-prompt,
+usually 1, n where a prompt's last chunk is sampled once per completion to be forked, so the
+sampler gets exactly one row per sequence and nothing is re-indexed after the model.
 """
 
 from __future__ import annotations
@@ -19,19 +22,32 @@ from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.kv_cache import KVCache
 
 
+class ModelChunk(Protocol):
+    """One sequence's share of a step: `token_ids` are new this step and follow
+    `num_computed_tokens` tokens whose KV is already cached in `block_ids`; the step returns
+    `num_samples` logits rows of its last token. The scheduler's `ScheduledChunk` is one."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_samples(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceChunk:
-    """One sequence's share of a step: `token_ids` are new this step and follow
-    `num_computed_tokens` tokens whose KV is already cached in `block_ids`."""
+    """A plain `ModelChunk` (for callers without a scheduler: tests, tools)."""
 
     token_ids: Sequence[int]
     num_computed_tokens: int
     block_ids: Sequence[int]
-    needs_logits: bool = True
-
-    @property
-    def seq_len(self) -> int:
-        return self.num_computed_tokens + len(self.token_ids)
+    num_samples: int = 1
 
 
 class CausalLM(Protocol):
@@ -52,7 +68,7 @@ class StepInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    logits_order: list[int]  # logits row r belongs to the r-th chunk (caller order) needing logits
+    logits_order: list[int]  # logits row r is the r-th row in caller order (see `execute`)
 
 
 class ModelRunner:
@@ -65,10 +81,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: Sequence[SequenceChunk], block_copies: Sequence[BlockCopy] = ()
+        self, chunks: Sequence[ModelChunk], block_copies: Sequence[BlockCopy] = ()
     ) -> torch.Tensor:
-        """Apply pending block copies, run the step, return `[num_needing_logits, vocab]` logits
-        in the order the chunks were given."""
+        """Apply pending block copies, run the step, return `[sum of num_samples, vocab]`
+        logits: each chunk's rows in turn, in the order the chunks were given."""
         self.kv_cache.copy_blocks(block_copies)
         if not chunks:
             return torch.empty(0, device=self.device)
@@ -86,37 +102,40 @@ class ModelRunner:
         restore[torch.tensor(inputs.logits_order)] = torch.arange(len(inputs.logits_order))
         return logits[restore.to(logits.device)]
 
-    def prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
+    def prepare(self, chunks: Sequence[ModelChunk]) -> StepInputs:
         """Flatten the chunks (decodes first) into the model's inputs."""
-        block_size = self.kv_cache.block_size
+        layout = self.kv_cache.layout
         # Stable sort: decodes (one new token) first, otherwise keep the caller's order.
         order = sorted(range(len(chunks)), key=lambda index: len(chunks[index].token_ids) != 1)
-        needing_logits = [index for index, chunk in enumerate(chunks) if chunk.needs_logits]
-        rank_of_chunk = {index: rank for rank, index in enumerate(needing_logits)}
+        first_row: list[int] = []  # the caller-order logits row of each chunk's first sample
+        num_rows = 0
+        for chunk in chunks:
+            first_row.append(num_rows)
+            num_rows += chunk.num_samples
         token_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         logits_indices: list[int] = []
         logits_order: list[int] = []
+        seq_lens: list[int] = []
         for index in order:
             chunk = chunks[index]
             start = chunk.num_computed_tokens
-            positions.extend(range(start, chunk.seq_len))
-            slot_mapping.extend(
-                chunk.block_ids[p // block_size] * block_size + p % block_size
-                for p in range(start, chunk.seq_len)
-            )
+            seq_len = start + len(chunk.token_ids)
+            seq_lens.append(seq_len)
+            positions.extend(range(start, seq_len))
+            slot_mapping.extend(layout.slot_mapping(chunk.block_ids, start, seq_len))
             token_ids.extend(chunk.token_ids)
-            if chunk.needs_logits:
-                logits_indices.append(len(token_ids) - 1)
-                logits_order.append(rank_of_chunk[index])
+            logits_indices.extend([len(token_ids) - 1] * chunk.num_samples)
+            logits_order.extend(range(first_row[index], first_row[index] + chunk.num_samples))
         ordered = [chunks[index] for index in order]
         metadata = AttentionMetadata.build(
             query_lens=[len(chunk.token_ids) for chunk in ordered],
-            seq_lens=[chunk.seq_len for chunk in ordered],
-            block_tables=[chunk.block_ids[: -(-chunk.seq_len // block_size)] for chunk in ordered],
+            seq_lens=seq_lens,
+            block_tables=[chunk.block_ids[: layout.num_blocks_for_tokens(seq_len)]
+                          for chunk, seq_len in zip(ordered, seq_lens, strict=True)],
             slot_mapping=slot_mapping,
-            block_size=block_size,
+            layout=layout,
             device=self.device,
         )
         return StepInputs(

@@ -1,26 +1,50 @@
-"""After sampling: append each new token, grow the text, decide whether the sequence stops,
-and turn requests into `RequestOutput` records.
+"""What callers see of their sequences: text, logprobs, stop decisions, and `RequestOutput`s.
 
-Stopping rules, checked in this order for each new token (stop tokens and stop strings only
+The output processor owns each sequence's caller-facing state (`_OutputState`: its incremental
+detokenizer, text, logprobs, and how much of them has been handed out); the scheduler owns
+its tokens and KV. It is the scheduler's `StopChecker`: `on_token` records each sampled token
+and says whether the sequence stops. Rules, in this order (stop tokens and stop strings only
 once `min_tokens` outputs exist):
 1. a stop token id, or EOS unless `ignore_eos`: "stop"; the token's text is not added;
-2. a stop string anywhere in the text, also across token boundaries: "stop"; the text is cut
-   just before it;
+2. a stop string that the new text completes (an occurrence ending in the text this token
+   added, looked for per stop string): "stop"; the text is cut just before it;
 3. `max_tokens` outputs, or the sequence reaching `max_model_len`: "length".
 
 While a request with stop strings runs, its visible text holds back the last
 `len(longest stop string) - 1` characters, which might yet turn out to start a stop string,
-so streamed text never has to be taken back.
+so text once handed out never has to be taken back.
+
+Outputs follow the request's `SamplingParams.output_kind` (vLLM's `RequestOutputKind`):
+CUMULATIVE hands out everything so far each time; DELTA only what is new since the previous
+output (text, token ids, logprobs; `cumulative_logprob` stays a running total); FINAL_ONLY one
+output, when the request finishes. Nothing is copied that is not handed out, so a long DELTA or
+FINAL_ONLY generation costs O(tokens), not O(tokens²). A finished request's state is dropped
+once its final output is made.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvpool.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvpool.engine.scheduler import StopDecision
 from kvpool.engine.sequence import FinishReason, Request, Sequence
 from kvpool.model.detokenizer import IncrementalDetokenizer
 from kvpool.model.tokenizer import Tokenizer
 
-StopDecision = tuple[FinishReason, str | int | None]
+
+@dataclass(slots=True)
+class _OutputState:
+    """One sequence as its caller sees it, and how far it has been handed out."""
+
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None  # None: the request asked for none
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    is_flushed: bool = False
 
 
 class OutputProcessor:
@@ -30,34 +54,38 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self._states: dict[Sequence, _OutputState] = {}
 
-    def start(self, seq: Sequence) -> None:
-        """Prepare a new (or forked) sequence for text output."""
-        params = seq.request.params
-        if self.tokenizer is not None and seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens
-            )
-        if params.logprobs is not None and seq.logprobs is None:
-            seq.logprobs = []
+    def _state(self, seq: Sequence) -> _OutputState:
+        state = self._states.get(seq)
+        if state is None:
+            params = seq.request.params
+            detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
+            state = _OutputState(detokenizer, [] if params.logprobs is not None else None)
+            self._states[seq] = state
+        return state
 
-    def append_token(
+    # ------------------------------------------------------------ stop rules
+    def on_token(
         self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None
     ) -> StopDecision | None:
-        """Record one sampled token; return why the sequence stops, or None."""
+        """Record the token `seq` just got (already appended to it); return why the sequence
+        stops, or None."""
         params = seq.request.params
-        seq.output_token_ids.append(token_id)
-        if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(self._decorate(logprobs))
+        state = self._state(seq)
+        if state.logprobs is not None and logprobs is not None:
+            state.logprobs.append(self._decorate(logprobs))
+            state.cumulative_logprob += logprobs[token_id].logprob
         may_stop = len(seq.output_token_ids) >= params.min_tokens
         if may_stop and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
         if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP, None
-        delta = seq.detokenizer.add(token_id) if seq.detokenizer is not None else ""
-        seq.text += delta
+        delta = state.detokenizer.add(token_id) if state.detokenizer is not None else ""
+        state.text += delta
         if may_stop and params.stop and delta:
-            stop_string = self._cut_at_stop_string(seq, len(delta))
+            stop_string = _cut_at_stop_string(state, len(delta), params.stop)
             if stop_string is not None:
                 return FinishReason.STOP, stop_string
         if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
@@ -65,27 +93,6 @@ class OutputProcessor:
         if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None
-
-    def _cut_at_stop_string(self, seq: Sequence, delta_len: int) -> str | None:
-        """Cut the text before the earliest stop string that the new text completes."""
-        params = seq.request.params
-        longest = max(len(stop) for stop in params.stop)
-        search_from = max(0, len(seq.text) - delta_len - longest + 1)
-        found: tuple[int, str] | None = None
-        for stop in params.stop:
-            position = seq.text.find(stop, search_from)
-            if position != -1 and (found is None or position < found[0]):
-                found = (position, stop)
-        if found is None:
-            return None
-        seq.text = seq.text[: found[0]]
-        return found[1]
-
-    def flush(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None) -> None:
-        """At a finish: emit characters held back for completion (not after a stop string)."""
-        if seq.detokenizer is not None and not isinstance(stop_reason, str):
-            seq.text += seq.detokenizer.flush()
-        seq.stop_reason = stop_reason
 
     def _decorate(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
         if self.tokenizer is None:
@@ -96,40 +103,69 @@ class OutputProcessor:
         }
 
     # ----------------------------------------------------------------- outputs
-    def make_output(self, request: Request) -> RequestOutput:
+    def make_output(self, request: Request) -> RequestOutput | None:
+        """The request's output now, as its output kind asks (None: nothing to hand out yet,
+        for FINAL_ONLY before the end)."""
+        kind = request.params.output_kind
+        is_finished = request.is_finished
+        if kind is RequestOutputKind.FINAL_ONLY and not is_finished:
+            return None
+        completions = [self._completion(seq, kind) for seq in request.sequences]
+        if is_finished:
+            for seq in request.sequences:
+                self._states.pop(seq, None)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[self._completion(seq) for seq in request.sequences],
-            finished=request.is_finished,
+            outputs=completions,
+            finished=is_finished,
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=RequestMetrics(
                 request.arrival_time, request.first_token_time, request.finish_time
             ),
         )
 
-    def _completion(self, seq: Sequence) -> CompletionOutput:
+    def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:
+        state = self._state(seq)
         params = seq.request.params
-        text = seq.text
+        if seq.is_finished and not state.is_flushed:
+            state.is_flushed = True  # held-back characters go out (not after a stop string)
+            if state.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                state.text += state.detokenizer.flush()
+        visible = len(state.text)
         if not seq.is_finished and params.stop:
-            holdback = max(len(stop) for stop in params.stop) - 1
-            text = text[: max(0, len(text) - holdback)]
+            visible = max(state.num_sent_chars, visible - _holdback(params))
+        start_token = state.num_sent_tokens if kind is RequestOutputKind.DELTA else 0
+        start_char = state.num_sent_chars if kind is RequestOutputKind.DELTA else 0
+        num_tokens = len(seq.output_token_ids)
+        state.num_sent_tokens, state.num_sent_chars = num_tokens, visible
+        logprobs = state.logprobs
         return CompletionOutput(
             index=seq.index,
-            text=text,
-            token_ids=list(seq.output_token_ids),
+            text=state.text[start_char:visible],
+            token_ids=seq.output_token_ids[start_token:num_tokens],
             finish_reason=None if seq.finish_reason is None else str(seq.finish_reason),
             stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            cumulative_logprob=_cumulative(seq),
+            logprobs=None if logprobs is None else logprobs[start_token:num_tokens],
+            cumulative_logprob=state.cumulative_logprob if logprobs else None,
         )
 
 
-def _cumulative(seq: Sequence) -> float | None:
-    if not seq.logprobs:
+def _holdback(params: SamplingParams) -> int:
+    return max(len(stop) for stop in params.stop) - 1
+
+
+def _cut_at_stop_string(state: _OutputState, delta_len: int, stops: list[str]) -> str | None:
+    """Cut the text before the earliest stop string that the newest `delta_len` characters
+    complete; each stop string is looked for only where it would end in them."""
+    text = state.text
+    found: tuple[int, str] | None = None
+    for stop in stops:
+        position = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
+        if position != -1 and (found is None or position < found[0]):
+            found = (position, stop)
+    if found is None:
         return None
-    return sum(
-        entry[token].logprob
-        for entry, token in zip(seq.logprobs, seq.output_token_ids, strict=False)
-    )
+    state.text = text[: found[0]]
+    return found[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -17,6 +18,10 @@ class Logprob:
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
     """One of a request's n completions, as far as it has got.
+
+    With `RequestOutputKind.DELTA`, `text`, `token_ids` and `logprobs` hold only what is new
+    since the request's previous output (`cumulative_logprob` is still the running total);
+    otherwise they hold everything so far.
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string; none of them appears in
     `text`), "length" (max_tokens, max_model_len or the whole KV pool) or "abort"; None while
@@ -54,3 +59,24 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One `DELTA` output carrying what two consecutive ones do (for a consumer that fell
+    behind): text, token ids and logprobs concatenated per completion, the rest the later's."""
+    earlier_by_index = {completion.index: completion for completion in earlier.outputs}
+    merged = []
+    for completion in later.outputs:
+        before = earlier_by_index.get(completion.index)
+        if before is not None:
+            logprobs = completion.logprobs
+            if before.logprobs is not None and logprobs is not None:
+                logprobs = before.logprobs + logprobs
+            completion = dataclasses.replace(
+                completion,
+                text=before.text + completion.text,
+                token_ids=before.token_ids + completion.token_ids,
+                logprobs=logprobs,
+            )
+        merged.append(completion)
+    return dataclasses.replace(later, outputs=merged)

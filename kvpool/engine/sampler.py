@@ -1,18 +1,28 @@
 """Turns a step's logits into next tokens, one row per sequence, vectorised over the batch.
 
 Order of operations on each row (float32):
-1. log-probabilities of the raw logits, when any row asked for `logprobs`;
-2. penalties: repetition (prompt and output tokens), presence and frequency (output tokens);
+1. log-probabilities of the raw logits, for the rows that asked for `logprobs`;
+2. penalties: repetition (prompt and output tokens), presence and frequency (output tokens),
+   counted for all penalised rows at once by one scatter-add;
 3. stop tokens banned while a row is below its `min_tokens`;
-4. greedy rows: argmax. Random rows: temperature, top-k, top-p, min-p, then one draw by the
-   exponential race (argmax of p / q with q ~ Exp(1)), which equals sampling from p and lets
-   each seeded row draw q from its own generator while unseeded rows share one draw.
+4. greedy rows: the argmax of the finite logits. Random rows: temperature, top-k, top-p, min-p,
+   then one draw by the exponential race (argmax of p / q with q ~ Exp(1)), which equals
+   sampling from p and lets each seeded row draw q from its own generator while unseeded rows
+   share one draw. A row whose probabilities come out NaN, infinite or all zero falls back to
+   the argmax of its finite logits rather than to whatever index argmax gives NaN (token 0).
+
+Device: every tensor made here lives on the logits' device, and nothing in steps 2-4 reads a
+value back to the host, so `choose_token_ids` runs on any device (the tests run it on "meta");
+the host reads the chosen ids once, and the logprobs of the rows that asked. The generator that
+unseeded rows share is made per device, seeded with the sampler's seed; a seeded row brings
+its own generator, which must be on the logits' device.
 
 Work that no row needs (sorting for top-k/top-p, penalty counts) is skipped entirely.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -29,7 +39,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: SequenceOf[int]
     output_token_ids: SequenceOf[int]
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # on the logits' device, for a seeded row
     banned_token_ids: tuple[int, ...] = ()  # stop tokens while below min_tokens
 
 
@@ -41,85 +51,211 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
-        self.generator = torch.Generator()
-        self.generator.manual_seed(0 if seed is None else seed)
+        self.seed = 0 if seed is None else seed
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()  # [num_rows, vocab]
-        raw_logprobs = None
-        if any(row.params.logprobs is not None for row in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties(logits.clone(), rows)
-        for index, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[index, list(row.banned_token_ids)] = float("-inf")
-        token_ids = self._choose(logits, rows)
-        logprobs = [
-            None
-            if raw_logprobs is None or row.params.logprobs is None
-            else gather_logprobs(raw_logprobs[index], token_ids[index], row.params.logprobs)
+        token_ids = choose_token_ids(logits, rows, self.generator(logits.device)).tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
+        wanted = {
+            index: row.params.logprobs
             for index, row in enumerate(rows)
-        ]
+            if row.params.logprobs is not None
+        }
+        if wanted:
+            raw_logprobs = raw_logprobs_of(logits, list(wanted))
+            for position, (index, num_top) in enumerate(wanted.items()):
+                logprobs[index] = gather_logprobs(raw_logprobs[position], token_ids[index], num_top)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
-    def _choose(self, logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> list[int]:
-        chosen = logits.argmax(dim=-1)
-        random_rows = [index for index, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            subset = [rows[index] for index in random_rows]
-            chosen[random_rows] = self._sample(logits[random_rows], subset)
-        return chosen.tolist()
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The stream unseeded rows share on `device`; made on first use, seeded with `seed`."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
 
-    def _sample(self, logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> torch.Tensor:
-        temperatures = torch.tensor([row.params.temperature for row in rows])
-        logits = logits / temperatures[:, None]
-        logits = apply_top_k_top_p(logits, rows)
-        probs = torch.softmax(logits, dim=-1)
-        min_ps = torch.tensor([row.params.min_p for row in rows])
-        if bool((min_ps > 0).any()):
-            threshold = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        race = torch.empty_like(probs).exponential_(generator=self.generator)
-        for index, row in enumerate(rows):
-            if row.generator is not None:
-                race[index].exponential_(generator=row.generator)
-        return (probs / race).argmax(dim=-1)
+
+def choose_token_ids(
+    logits: torch.Tensor, rows: SequenceOf[SamplingRow], generator: torch.Generator | None
+) -> torch.Tensor:
+    """Steps 2-4 on the device: the next token of every row, [num_rows] int64.
+
+    `generator` draws the unseeded rows' noise (None: the device's default generator).
+    """
+    # Penalties and bans write in place: copy, so that the caller's logits stay raw.
+    needs_writes = any(row.params.has_penalties or row.banned_token_ids for row in rows)
+    logits = logits.to(torch.float32, copy=needs_writes)  # [num_rows, vocab]
+    apply_penalties(logits, rows)
+    _ban_tokens(logits, rows)
+    # Greedy rows' answer, and the fallback of random rows whose probabilities are unusable.
+    token_ids = _finite_argmax(logits)
+    random_rows = [index for index, row in enumerate(rows) if not row.params.is_greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        subset = [rows[row_index] for row_index in random_rows]
+        token_ids[index] = _sample(logits[index], subset, generator, fallback=token_ids[index])
+    return token_ids
+
+
+def raw_logprobs_of(logits: torch.Tensor, row_indices: list[int]) -> torch.Tensor:
+    """Log-probabilities of the raw logits of the given rows: [len(row_indices), vocab]."""
+    index = torch.tensor(row_indices, device=logits.device)
+    return torch.log_softmax(logits[index].float(), dim=-1)
+
+
+def _finite_argmax(logits: torch.Tensor) -> torch.Tensor:
+    # argmax takes NaN for the maximum; a NaN or infinite logit must never be chosen.
+    minus_inf = float("-inf")
+    return logits.nan_to_num(nan=minus_inf, posinf=minus_inf, neginf=minus_inf).argmax(dim=-1)
+
+
+def _ban_tokens(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> None:
+    pairs = [
+        (index, token_id) for index, row in enumerate(rows) for token_id in row.banned_token_ids
+    ]
+    if pairs:
+        row_ids, token_ids = torch.tensor(pairs, device=logits.device).unbind(dim=1)
+        logits[row_ids, token_ids] = float("-inf")
+
+
+def _sample(
+    logits: torch.Tensor,
+    rows: SequenceOf[SamplingRow],
+    generator: torch.Generator | None,
+    fallback: torch.Tensor,
+) -> torch.Tensor:
+    device = logits.device
+    temperatures = _column([row.params.temperature for row in rows], device)
+    logits = apply_top_k_top_p(logits / temperatures, rows)
+    probs = torch.softmax(logits, dim=-1)  # [num_random_rows, vocab]
+    min_ps = [row.params.min_p for row in rows]
+    if any(min_p > 0 for min_p in min_ps):
+        min_p = _column(min_ps, device)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    best = (probs / _race(probs, rows, generator)).max(dim=-1)
+    # q is finite and positive, so the winning score is finite and positive exactly when the
+    # row's probabilities are usable (NaN propagates through max; all-zero gives 0).
+    is_usable = torch.isfinite(best.values) & (best.values > 0)
+    return torch.where(is_usable, best.indices, fallback)
+
+
+def _race(
+    probs: torch.Tensor, rows: SequenceOf[SamplingRow], generator: torch.Generator | None
+) -> torch.Tensor:
+    """Exp(1) noise: one shared draw, then each seeded row redraws from its private stream."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    for index, row in enumerate(rows):
+        if row.generator is not None:
+            assert _is_on(row.generator, probs.device), (
+                f"row generator on {row.generator.device}, logits on {probs.device}: "
+                "per-row generators must be created on the model's device"
+            )
+            race[index].exponential_(generator=row.generator)
+    return race
+
+
+def _is_on(generator: torch.Generator, device: torch.device) -> bool:
+    # torch.Generator(device="cuda") carries no index: it serves the current CUDA device.
+    return generator.device.type == device.type and generator.device.index in (None, device.index)
 
 
 def apply_penalties(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> torch.Tensor:
-    """Repetition, presence and frequency penalties, in place, on the rows that have them."""
-    vocab_size = logits.shape[1]
-    for index, row in enumerate(rows):
-        params = row.params
-        if not params.has_penalties:
-            continue
-        output_counts = torch.bincount(
-            torch.tensor(row.output_token_ids, dtype=torch.int64), minlength=vocab_size
-        )[:vocab_size].float()
-        if params.repetition_penalty != 1.0:
-            seen = output_counts > 0
-            seen[torch.tensor(row.prompt_token_ids, dtype=torch.int64)] = True
-            penalised = torch.where(
-                logits[index] > 0,
-                logits[index] / params.repetition_penalty,
-                logits[index] * params.repetition_penalty,
-            )
-            logits[index] = torch.where(seen, penalised, logits[index])
-        logits[index] -= params.frequency_penalty * output_counts
-        logits[index] -= params.presence_penalty * (output_counts > 0).float()
+    """Repetition, presence and frequency penalties, in place, on the rows that have them.
+
+    All penalised rows at once. A kind of penalty that no row has is skipped; a row without a
+    kind that others have gets its identity (factor 1, subtrahend 0), which leaves its logits
+    bit for bit as they were.
+    """
+    penalised = [index for index, row in enumerate(rows) if row.params.has_penalties]
+    if not penalised:
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    subset = [rows[index] for index in penalised]
+    repetition = [row.params.repetition_penalty for row in subset]
+    frequency = [row.params.frequency_penalty for row in subset]
+    presence = [row.params.presence_penalty for row in subset]
+    index = torch.tensor(penalised, device=device)
+    selected = logits[index]  # [num_penalised, vocab]
+    counts = _count_tokens([row.output_token_ids for row in subset], vocab_size, device)
+    occurred = counts > 0
+    if any(penalty != 1.0 for penalty in repetition):
+        prompts = [
+            row.prompt_token_ids if penalty != 1.0 else ()
+            for row, penalty in zip(subset, repetition, strict=True)
+        ]
+        seen = occurred | _has_tokens(prompts, vocab_size, device)
+        factor = _column(repetition, device)
+        repeated = torch.where(selected > 0, selected / factor, selected * factor)
+        selected = torch.where(seen, repeated, selected)
+    if any(penalty != 0.0 for penalty in frequency):
+        selected -= _column(frequency, device) * counts
+    if any(penalty != 0.0 for penalty in presence):
+        selected -= _column(presence, device) * occurred
+    logits[index] = selected
     return logits
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """One float32 value per row, shaped to broadcast over the vocabulary: [num_rows, 1]."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _count_tokens(
+    token_lists: SequenceOf[SequenceOf[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each list holds each token, by one scatter-add: [num_lists, vocab] float32."""
+    flat_ids = _flat_token_ids(token_lists, vocab_size, device)
+    counts = torch.zeros(len(token_lists) * (vocab_size + 1), device=device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=counts.dtype))
+    return counts.view(len(token_lists), vocab_size + 1)[:, :vocab_size]
+
+
+def _has_tokens(
+    token_lists: SequenceOf[SequenceOf[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Whether each list holds each token: [num_lists, vocab] bool."""
+    flat_ids = _flat_token_ids(token_lists, vocab_size, device)
+    mask = torch.zeros(len(token_lists) * (vocab_size + 1), dtype=torch.bool, device=device)
+    mask.index_fill_(0, flat_ids, True)
+    return mask.view(len(token_lists), vocab_size + 1)[:, :vocab_size]
+
+
+def _flat_token_ids(
+    token_lists: SequenceOf[SequenceOf[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Every list's ids as positions in a flat [num_lists, vocab_size + 1] table.
+
+    Ids past the vocabulary land in the spare last column, which the callers cut off, so they
+    count nowhere and cannot spill into the next list's row.
+    """
+    lengths = [len(token_ids) for token_ids in token_lists]
+    token_ids = torch.tensor(
+        list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device
+    )
+    row_starts = torch.arange(len(token_lists), device=device) * (vocab_size + 1)
+    # output_size keeps repeat_interleave from reading the total back from the device.
+    starts = row_starts.repeat_interleave(
+        torch.tensor(lengths, device=device), output_size=sum(lengths)
+    )
+    return starts + token_ids.clamp(max=vocab_size)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) what top-k and top-p exclude; one sort serves both."""
     vocab_size = logits.shape[1]
-    top_ks = torch.tensor([row.params.top_k or vocab_size for row in rows])
-    top_ps = torch.tensor([row.params.top_p for row in rows])
-    if bool((top_ks >= vocab_size).all()) and bool((top_ps >= 1.0).all()):
+    top_k_list = [row.params.top_k or vocab_size for row in rows]
+    top_p_list = [row.params.top_p for row in rows]
+    if all(top_k >= vocab_size for top_k in top_k_list) and all(p >= 1.0 for p in top_p_list):
         return logits
+    device = logits.device
+    top_ks = torch.tensor(top_k_list, device=device)
+    top_ps = torch.tensor(top_p_list, dtype=torch.float32, device=device)
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size)[None, :]
+    ranks = torch.arange(vocab_size, device=device)[None, :]
     excluded = ranks >= top_ks[:, None]
     sorted_logits = sorted_logits.masked_fill(excluded, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)

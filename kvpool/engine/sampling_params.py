@@ -1,21 +1,48 @@
-"""How to sample a request's continuation; the same names and meanings as vLLM's.
+"""How to sample a request's continuation, and what its outputs carry; vLLM's names and meanings.
 
 Every value is checked when the object is built, so a bad request fails before it reaches the
-scheduler, with a message that names the field and the allowed range.
+scheduler with an `InvalidRequestError` whose `param` is the field at fault and whose message
+names the field and the allowed range, never the offending value. The numeric bounds also keep
+the sampler's float32 arithmetic finite (see `_MIN_REPETITION_PENALTY`).
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass, field
+
+from kvpool.engine.errors import InvalidRequestError
+
+# Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by less would
+# scale them past 1e5 and make the softmax a numerically fragile argmax anyway.
+_SAMPLING_EPS = 1e-5
+
+# The repetition penalty multiplies or divides a logit by at most 100. With temperatures of at
+# least _SAMPLING_EPS, a logit is scaled by at most 1e7 in all, so any logit below ~3e31 in
+# magnitude (real ones are below 1e4) stays finite in float32, whose largest value is 3.4e38;
+# 1e-300 overflowed to inf and turned the probabilities into NaN. Useful penalties lie near 1
+# (vLLM and HF suggest 1.0-1.5): at 100 a seen token is already as good as banned.
+_MIN_REPETITION_PENALTY = 0.01
+_MAX_REPETITION_PENALTY = 100.0
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries, as it runs."""
+
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # each output carries only what is new since the previous one
+    FINAL_ONLY = 2  # a single output, when the request finishes
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules for one request.
 
-    temperature 0 is greedy decoding. top_k 0 (or -1, as in vLLM) means no top-k limit.
-    `logprobs=k` returns, for every sampled token, its log probability and the k most likely
-    alternatives (from the model's raw distribution, before temperature and penalties).
+    temperature 0 (or below 1e-5) is greedy decoding. top_k 0 (or -1, as in vLLM) means no top-k
+    limit. `logprobs=k` returns, for every sampled token, its log probability and the k most
+    likely alternatives (from the model's raw distribution, before temperature and penalties).
+    `output_kind` says what each of the request's outputs carries (see `RequestOutputKind`).
     """
 
     n: int = 1
@@ -34,6 +61,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,32 +73,49 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # (field, is valid, rule); NaN fails every comparison, so it is rejected too.
+        max_tokens = self.max_tokens
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be 0 or -1 (off) or a positive int, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            ("n", self.n >= 1, "must be at least 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("temperature", math.isfinite(self.temperature), "must be finite"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be 0 or -1 (off) or a positive int"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                "repetition_penalty",
+                _MIN_REPETITION_PENALTY <= self.repetition_penalty <= _MAX_REPETITION_PENALTY,
+                f"must be in [{_MIN_REPETITION_PENALTY:g}, {_MAX_REPETITION_PENALTY:g}]",
             ),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "bad stop_token_ids"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("max_tokens", max_tokens is None or max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            (
+                "min_tokens",
+                max_tokens is None or self.min_tokens <= max_tokens,
+                "must not exceed max_tokens",
+            ),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "strings must be non-empty"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be non-negative ints",
+            ),
+            (
+                "output_kind",
+                isinstance(self.output_kind, RequestOutputKind),
+                "must be a RequestOutputKind",
+            ),
         ]
-        for is_valid, message in checks:
+        for param, is_valid, rule in checks:
             if not is_valid:
-                raise ValueError(message)
+                raise InvalidRequestError(f"{param} {rule}", param)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:

@@ -1,4 +1,5 @@
-"""Continuous batching: every step, pick which tokens of which sequences to compute.
+"""Continuous batching: every step, pick which tokens of which sequences to compute; after the
+step, bring every sequence up to date.
 
 One step's batch, formed by `schedule()`:
 
@@ -10,22 +11,46 @@ One step's batch, formed by `schedule()`:
 2. Waiting sequences, in priority order, while the budget, `max_num_seqs` and memory allow:
    admitted with their prefix-cache hit and a first chunk (or their whole prompt when chunked
    prefill is off). Admission stops at the first that does not fit (no overtaking), and no one
-   is admitted in a step that had to preempt.
+   is admitted in a step that had to preempt. A request with n > 1 takes n seats at admission:
+   its other n - 1 sequences are forked from it once its prompt is computed.
 
-Invariants: `running` and `waiting` are sorted by `Sequence.sort_key`; a sequence is in at most
-one of them; every running sequence holds exactly the blocks of its computed tokens between
-steps.
+After the model ran and the sampler chose tokens, `update()` does the rest of the step:
+mark what was computed, fork the n - 1 siblings of each prompt that just completed (all n
+sample their first token from the same logits), append every sampled token, ask the stop rules
+(`StopChecker`, the output processor) whether each sequence is done, and free the finished.
+A step that failed before its update is undone by `roll_back()`: its sequences are requeued
+with their KV dropped, so no slot reserved for a step that never ran survives.
+
+Invariants (`check_invariants`): `running` is sorted by `Sequence.sort_key`; a sequence is
+running, waiting or finished, and in at most one of the two queues; between steps every running
+sequence's block table holds exactly its computed tokens, and every waiting one holds nothing.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpool.engine.kv_manager import KVCacheManager
-from kvpool.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvpool.memory.block_pool import OutOfBlocksError
+from kvpool.engine.outputs import Logprob
+from kvpool.engine.sampler import SamplerOutput
+from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
+from kvpool.engine.waiting_queue import WaitingQueue
 from kvpool.memory.block_table import BlockCopy
+from kvpool.memory.errors import OutOfBlocksError
+
+StopDecision = tuple[FinishReason, str | int | None]
+
+
+class StopChecker(Protocol):
+    def on_token(
+        self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None
+    ) -> StopDecision | None:
+        """Record a token the sequence just got; say why it stops now, or None."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,21 +66,30 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """`num_new_tokens` tokens of `seq`, after its first `num_computed_tokens`.
+    """`token_ids`, the next tokens of `seq` after its first `num_computed_tokens`.
 
-    `completes_sequence`: the chunk reaches the sequence's last token, so its logits sample the
-    next one (fixed when scheduled: the sequence grows once the step is done).
+    `num_samples`: the logits rows the step computes for this chunk: 0 while a prompt's prefill
+    is unfinished, 1 when the chunk reaches the sequence's last token, n when that completes
+    the prompt of a request still to fork (one row per future sibling). Fixed when scheduled:
+    the sequence grows once the step is done.
     """
 
     seq: Sequence
     num_computed_tokens: int
-    num_new_tokens: int
-    completes_sequence: bool
+    token_ids: list[int]
+    num_samples: int
 
-    @classmethod
-    def next_tokens(cls, seq: Sequence, num_new_tokens: int) -> ScheduledChunk:
-        end = seq.num_computed_tokens + num_new_tokens
-        return cls(seq, seq.num_computed_tokens, num_new_tokens, end == seq.num_tokens)
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completes_sequence(self) -> bool:
+        return self.num_samples > 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.seq.block_table.block_ids
 
 
 @dataclass
@@ -65,30 +99,54 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     length_capped: list[Sequence] = field(default_factory=list)  # outgrew the whole pool
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
+    def sampled_sequences(self) -> list[tuple[Sequence, int]]:
+        """(chunk's sequence, completion index) per logits row, in row order; an index not yet
+        among the request's sequences is a sibling `update` forks."""
+        return [(chunk.seq, chunk.seq.index + sample)
+                for chunk in self.chunks for sample in range(chunk.num_samples)]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 stop_checker: StopChecker) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: list[Sequence] = []
+        self.stop_checker = stop_checker
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens dropped by preemption
+        self._seq_ids = itertools.count()
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+    def add_request(self, request: Request, block_hashes: list) -> Sequence:
+        """Queue the first sequence of a new request; `block_hashes` are its prompt's."""
+        seq = self._new_sequence(request, 0, self.kv.new_block_table(request.cache_salt),
+                                 block_hashes)
+        self.waiting.push(seq)
+        return seq
 
-    def add_running(self, seq: Sequence) -> None:
+    def _new_sequence(self, request: Request, index: int, block_table, block_hashes) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request, index, block_table, block_hashes)
+        request.sequences.append(seq)
+        return seq
+
+    def _add_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
+    def _requeue(self, seq: Sequence) -> None:
+        """Out of `running`, KV dropped, waiting again."""
+        self.running.remove(seq)
+        self.kv.preempt(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.push(seq)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running) or len(self.waiting) > 0
+
+    def request_counts(self) -> tuple[int, int]:
+        """(requests with a running sequence, requests with a waiting one), cheaply."""
+        return len({seq.request.request_id for seq in self.running}), self.waiting.num_requests
 
     # ------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -106,26 +164,34 @@ class Scheduler:
             and len(output.chunks) < self.config.max_num_seqs
         ):
             seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, token_budget)
-            copies = self._reserve_slots(seq, num_new, output)
+            start = seq.num_computed_tokens
+            token_ids = seq.token_ids(start, start + min(seq.num_uncomputed_tokens, token_budget))
+            copies = self._reserve_slots(seq, token_ids, output)
             if copies is None:  # the sequence itself was preempted or capped
                 continue
             output.block_copies.extend(copies)
-            output.chunks.append(ScheduledChunk.next_tokens(seq, num_new))
-            token_budget -= num_new
+            output.chunks.append(self._chunk(seq, token_ids))
+            token_budget -= len(token_ids)
             index += 1
         return token_budget
 
+    def _chunk(self, seq: Sequence, token_ids: list[int]) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        num_samples = 0
+        if start + len(token_ids) == seq.num_tokens:
+            num_samples = seq.request.params.n if seq.request.needs_fork else 1
+        return ScheduledChunk(seq, start, token_ids, num_samples)
+
     def _reserve_slots(
-        self, seq: Sequence, num_new: int, output: SchedulerOutput
+        self, seq: Sequence, token_ids: list[int], output: SchedulerOutput
     ) -> list[BlockCopy] | None:
         """Slots for `seq`, preempting from the tail of `running` until they fit."""
         while True:
             try:
-                return self.kv.append_slots(seq, num_new)
+                return self.kv.append_slots(seq, token_ids)
             except OutOfBlocksError:
-                if not self.kv.can_ever_fit(seq.num_computed_tokens + num_new):
-                    self.running.remove(seq)
+                if not self.kv.can_ever_fit(seq.num_computed_tokens + len(token_ids)):
+                    self.finish(seq, FinishReason.LENGTH)
                     output.length_capped.append(seq)
                     return None
                 victim = self.running[-1]
@@ -134,19 +200,16 @@ class Scheduler:
                     return None
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
-        self.running.remove(seq)
         self.num_preemptions += 1
         self.num_recomputed_tokens += seq.num_computed_tokens
-        self.kv.preempt(seq)
+        self._requeue(seq)
         output.preempted.append(seq)
-        self.add(seq)
-        seq.status = SequenceStatus.PREEMPTED
 
     def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> None:
-        while self.waiting and token_budget > 0:
-            seq = self.waiting[0]
-            num_seqs = seq.request.params.n if seq.request.needs_fork else 1
-            if len(self.running) + num_seqs > self.config.max_num_seqs:
+        # Seats: a request that has yet to fork counts its n sequences from admission on.
+        num_seats = sum(_num_seats(seq) for seq in self.running)
+        while token_budget > 0 and (seq := self.waiting.peek()) is not None:
+            if num_seats + _num_seats(seq) > self.config.max_num_seqs:
                 return
             plan = self.kv.plan_admission(
                 seq,
@@ -156,35 +219,93 @@ class Scheduler:
             )
             if plan is None:
                 return
-            self.waiting.pop(0)
+            self.waiting.pop()
             output.block_copies.extend(self.kv.admit(seq, plan))
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = plan.num_cached_tokens
-            self.add_running(seq)
-            output.chunks.append(ScheduledChunk.next_tokens(seq, plan.num_new_tokens))
+            num_seats += _num_seats(seq)
+            self._add_running(seq)
+            start = seq.num_computed_tokens
+            token_ids = seq.token_ids(start, start + plan.num_new_tokens)
+            output.chunks.append(self._chunk(seq, token_ids))
             token_budget -= plan.num_new_tokens
 
     # ------------------------------------------------------------ after a step
-    def mark_computed(self, output: SchedulerOutput) -> None:
-        """Advance each scheduled sequence past the tokens the step computed."""
-        for chunk in output.chunks:
+    def update(self, batch: SchedulerOutput, sampled: SamplerOutput) -> list[Request]:
+        """Bring every scheduled sequence up to date after the model and the sampler ran;
+        returns the requests whose outputs changed, in batch order."""
+        for chunk in batch.chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self.kv.mark_computed(chunk.seq)
+        touched = {seq.request.request_id: seq.request for seq in batch.length_capped}
+        rows = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
+        for chunk in batch.chunks:
+            if chunk.num_samples:
+                for seq in self._fork_siblings(chunk):
+                    self._append(seq, *next(rows))
+                touched[chunk.seq.request.request_id] = chunk.seq.request
+        assert next(rows, None) is None, "more sampled rows than sequences"
+        return list(touched.values())
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Run `child` on shared copies of `parent`'s blocks (copy-on-write on first write)."""
-        child.block_table = self.kv.fork(parent)
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.add_running(child)
+    def _fork_siblings(self, chunk: ScheduledChunk) -> list[Sequence]:
+        """The chunk's sequence, then (where its prompt just completed) its new siblings,
+        sharing every block until one writes (copy-on-write)."""
+        parent = chunk.seq
+        family = [parent]
+        request = parent.request
+        while request.needs_fork and len(family) < chunk.num_samples:
+            child = self._new_sequence(request, len(request.sequences),
+                                       self.kv.fork(parent), list(parent.block_hashes))
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.output_token_ids = list(parent.output_token_ids)
+            self._add_running(child)
+            family.append(child)
+        return family
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _append(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
+        self.kv.append_output(seq, token_id)
+        decision = self.stop_checker.on_token(seq, token_id, logprobs)
+        if decision is not None:
+            self.finish(seq, *decision)
+
+    def roll_back(self, batch: SchedulerOutput) -> None:
+        """Undo a step that failed before `update`: every scheduled sequence still running is
+        requeued with its KV dropped (its reserved slots never received KV)."""
+        for chunk in batch.chunks:
+            if chunk.seq.status is SequenceStatus.RUNNING:
+                self._requeue(chunk.seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason,
+               stop_reason: str | int | None = None) -> None:
         """Retire a sequence wherever it is; its blocks return to the pool at once."""
         if seq.is_finished:
             return
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        else:
+            self.waiting.discard(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def check_invariants(self, sequences: Iterable[Sequence]) -> None:
+        """Assert the module docstring's invariants for `sequences` (every unfinished one)."""
+        assert [s.sort_key for s in self.running] == sorted(s.sort_key for s in self.running)
+        for seq in sequences:
+            table = seq.block_table
+            is_running, is_waiting = seq in self.running, seq in self.waiting
+            assert not (is_running and is_waiting), f"sequence {seq.seq_id} is in both queues"
+            if seq.is_finished:
+                assert not (is_running or is_waiting) and table.num_blocks == 0
+            elif is_running:
+                assert seq.status is SequenceStatus.RUNNING
+                assert table.num_tokens == seq.num_computed_tokens
+                assert table.token_ids == seq.token_ids(0, seq.num_computed_tokens)
+            else:
+                assert is_waiting and seq.status is SequenceStatus.WAITING
+                assert table.num_blocks == 0 and seq.num_computed_tokens == 0
+
+
+def _num_seats(seq: Sequence) -> int:
+    return seq.request.params.n if seq.request.needs_fork else 1

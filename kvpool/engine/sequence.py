@@ -6,13 +6,21 @@ KV in the cache; the rest are computed by coming steps:
     tokens:      [ prompt ........................ | out0 out1 out2 ]
     computed:    [ cached prefix | earlier chunks  ....... | ]          <- one token left: decode
     block_table: slots for exactly the computed tokens (between steps)
+    block_hashes [ h0 | h1 | h2 | ...                  ]                 <- every full block
 
 Prefill, chunked prefill, decode and recomputation after preemption are one rule: each step
 computes some of `tokens[num_computed_tokens:]`, and when it reaches the end the step's logits
 sample the next output token.
 
+A sequence keeps the chained hashes of its full blocks (`block_hashes`): the prompt's are
+computed once, when the request is made, and one more is added each time an output token fills
+a block. Prefix lookups, admission and publishing to the prefix cache all read them; nothing
+hashes a prompt again, not even after a preemption.
+
 Invariants: `0 <= num_computed_tokens <= num_tokens`; between steps
-`block_table.num_tokens == num_computed_tokens`; a finished sequence holds no blocks.
+`block_table.num_tokens == num_computed_tokens`; `block_hashes` are the hashes of the first
+`num_tokens // block_size` blocks; a finished sequence holds no blocks. What a caller sees of a
+sequence (its text, logprobs, what was already sent) is the output processor's, not here.
 """
 
 from __future__ import annotations
@@ -23,17 +31,15 @@ from typing import TYPE_CHECKING
 
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.block_table import BlockTable
+from kvpool.memory.prefix_cache import BlockHash, SaltKey
 
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.engine.outputs import Logprob
-
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # not yet admitted, or preempted (its KV dropped) and waiting again
     RUNNING = "running"
-    PREEMPTED = "preempted"  # waiting again, its KV dropped: it will be recomputed
     FINISHED = "finished"
 
 
@@ -46,27 +52,29 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
-    """One completion of a request: its tokens, its block table, its progress."""
+    """One completion of a request: its tokens, block hashes, block table and progress."""
 
     seq_id: int
     request: Request
     index: int  # which of the request's n completions
     block_table: BlockTable
+    block_hashes: list[BlockHash]
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    detokenizer: object | None = None  # an IncrementalDetokenizer when text is produced
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """This completion's private random stream (None: the sampler's shared one)."""
+        return self.request.generators[self.index]
 
     @property
     def num_tokens(self) -> int:
@@ -97,13 +105,20 @@ class Sequence:
 
 @dataclass(eq=False)
 class Request:
-    """What a caller asked for: one prompt, its sampling rules, and its n sequences."""
+    """What a caller asked for: one prompt, its sampling rules, and its n sequences.
+
+    `salt` is the hashing form of `cache_salt` (`kvpool.memory.prefix_cache.salt_key`);
+    `generators[i]` is completion i's random stream, made on the model's device when the
+    request is made, so a completion not yet forked can already be sampled.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    salt: SaltKey
+    generators: tuple[torch.Generator | None, ...]
     priority: int = 0
     cache_salt: str | None = None
     sequences: list[Sequence] = field(default_factory=list)

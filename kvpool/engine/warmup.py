@@ -32,7 +32,8 @@ def warm_up(engine: LLMEngine) -> float:
     """Run the dummy batch on `engine`, then reset its statistics; returns the seconds taken."""
     start = time.perf_counter()
     # Prompt + first output token must leave the block unfilled (block_size - 2 at most).
-    prompt_len = min(MAX_PROMPT_TOKENS, engine.pool.block_size - 2, engine.max_model_len - 2)
+    block_size = engine.kv_memory.layout.block_size
+    prompt_len = min(MAX_PROMPT_TOKENS, block_size - 2, engine.max_model_len - 2)
     prompt_len = max(1, prompt_len)
     if prompt_len >= engine.max_model_len:
         return 0.0  # a model too short to run even the dummy batch

@@ -3,8 +3,10 @@
 Byte accounting (every byte of the reserved range is in exactly one bucket):
 
     num_reserved_bytes = num_allocated_bytes      bytes the live allocations asked for
-                       + num_internal_waste_bytes  rounding: size class, granule, alignment
-                       + num_free_bytes            free list + ranges parked in class caches
+                       + num_internal_waste_bytes  rounding up to the base alignment (256 B);
+                                                   the simulator's size classes add theirs
+                       + num_free_bytes            held by no allocation (the free list; in
+                                                   the simulator's arena also class caches)
 
 External fragmentation is `1 - largest free range / total free`: 0 when the free bytes form one
 range (any request that fits in total fits in place), close to 1 when they are scattered.
@@ -12,7 +14,6 @@ range (any request that fits in total fits in place), close to 1 when they are s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
@@ -39,20 +40,17 @@ class ArenaStats:
     num_allocated_bytes: int
     num_internal_waste_bytes: int
     num_free_bytes: int
-    num_cached_bytes: int  # the part of num_free_bytes parked in size-class caches
     largest_free_range_bytes: int
     external_fragmentation: float
     num_free_ranges: int
     num_live_allocations: int
     num_allocations: int
     num_frees: int
-    num_compactions: int
-    num_bytes_moved: int
-    cache_hits: Mapping[int, int]  # size class (bytes) -> allocations served from its cache
 
 
 class ArenaOutOfMemoryError(RuntimeError):
-    """No range of the arena can hold the request, even after flushing caches and compacting.
+    """No free range of the arena can hold the request (after whatever the arena could do to
+    make room: the simulator's size-class arena flushes its caches and compacts first).
 
     The message says what was asked, what is free in total and in the largest range, and how
     fragmented the free space is, so "out of memory with 3 GiB free" explains itself.

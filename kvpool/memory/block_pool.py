@@ -1,37 +1,33 @@
 """The block pool: the online KV blocks, their reference counts, and the free lists.
 
-A block is `block_size` token slots of KV cache; the pool hands out block *ids* and keeps score
-of who holds them. The tensors that hold the K/V data are indexed by these ids elsewhere
-(`kvpool.memory.kv_cache`), so the pool itself is pure Python and O(1) per block.
-
-Ids range over `0 .. capacity_blocks - 1`, but only *online* ids are the pool's to hand out.
-A static pool is online from the start; an elastic pool (`kvpool.memory.elastic_pool`) brings
-runs of ids online (`add_blocks`) as its memory grows and takes them offline (`remove_blocks`)
-as it shrinks. Every online block is in exactly one of three states:
+A block is `layout.block_size` token slots of KV cache; the pool hands out block *ids* and keeps
+score of who holds them. The KV tensors are indexed by these ids elsewhere (`kv_cache`), so the
+pool is pure Python and O(1) per block. Ids range over `0 .. capacity_blocks - 1`; id 0 is the
+*null block* (`NULL_BLOCK_ID`): never online, never handed out. Block tables are padded with it
+and its KV stays zero, so attention that reads past a sequence's blocks (padding, a masking
+bug) reads zeros, never another request's KV. Every *online* block is in one of three states:
 
     free     ref_count == 0, no hash         on `_fresh_free_ids` (a LIFO stack)
     cached   ref_count == 0, hashed          on `_evictable_ids`  (LRU order, oldest first)
     used     ref_count  > 0 (hashed or not)  held by one or more block tables
 
+A static pool has ids `1 .. num_blocks` online from the start; `ResizableBlockPool` brings ids
+online and offline as an elastic pool's memory grows and shrinks.
+
 Invariants (checked by `check_invariants`, exercised by the property tests):
-- num_free + num_cached + num_used == num_blocks (the online count), and no id is on both
-  free lists.
-- An offline id is on no list, has ref_count 0, no hash and no filled slots; `allocate` never
-  returns one.
+- num_free + num_cached + num_used == num_blocks (the online count); no id on both free lists.
+- An offline id (the null block included) is on no list, has ref_count 0, no hash and no filled
+  slots; `allocate` never returns one.
 - A block's ref_count equals the number of block tables holding it.
 - A block is on `_evictable_ids` iff its ref_count is 0 and the prefix cache holds its hash.
 - `_num_filled_slots_in_use` equals the filled slots summed over used blocks.
 - num_allocations - num_frees == num_used (counters are reset only on an empty pool).
 
-Policy, and why:
-- Fresh blocks are reused LIFO: the most recently freed block is the likeliest to still sit in a
-  cache level close to the compute.
-- Cached blocks are evicted least-recently-used, and only when no fresh block is left, so a
-  prefix stays reusable for as long as memory allows.
-- `allocate(n)` is all-or-nothing, and `free`/`retain` validate every id before touching any,
-  so a failed call never leaves the pool half-changed.
-- Blocks brought online go to the *bottom* of the free stack: free blocks already online are
-  reused first, so the newest memory stays the emptiest and is the cheapest to give back.
+Policy, and why: fresh blocks are reused LIFO (the most recently freed is the likeliest to sit
+in a cache level close to the compute); cached blocks are evicted least-recently-used, and only
+when no fresh block is left, so a prefix stays reusable for as long as memory allows;
+`allocate(n)` is all-or-nothing, and `free`/`retain` validate every id before the pool keeps
+any change, so a failed call never leaves it half-changed.
 """
 
 from __future__ import annotations
@@ -40,24 +36,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache
+from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
+from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache, PrefixMatch
 
-
-class OutOfBlocksError(RuntimeError):
-    """Raised when an allocation asks for more blocks than the pool can give."""
-
-    def __init__(self, num_requested: int, num_free: int, num_evictable: int) -> None:
-        self.num_requested = num_requested
-        self.num_free = num_free
-        self.num_evictable = num_evictable
-        super().__init__(
-            f"out of KV blocks: requested {num_requested}, but only {num_free} free and "
-            f"{num_evictable} evictable cached blocks are left"
-        )
-
-
-class InvalidBlockError(ValueError):
-    """Raised for an id the pool does not own, or one in the wrong state for the call."""
+NULL_BLOCK_ID = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,33 +69,30 @@ class BlockPool:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        layout: KVLayout | None = None,
         enable_prefix_caching: bool = True,
         capacity_blocks: int | None = None,
     ) -> None:
-        """Ids `0 .. num_blocks - 1` start online; `capacity_blocks` (default `num_blocks`)
-        sizes the id space, and an elastic pool may start with `num_blocks=0`."""
+        """Ids `1 .. num_blocks` start online; `capacity_blocks` (default `num_blocks + 1`)
+        sizes the id space, the null block included."""
         if capacity_blocks is None and num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        capacity_blocks = num_blocks if capacity_blocks is None else capacity_blocks
-        if capacity_blocks < 1 or not 0 <= num_blocks <= capacity_blocks:
-            raise ValueError(
-                f"need 0 <= num_blocks <= capacity_blocks and capacity_blocks >= 1, got "
-                f"{num_blocks} and {capacity_blocks}"
-            )
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        capacity_blocks = num_blocks + 1 if capacity_blocks is None else capacity_blocks
+        if not 0 <= num_blocks < capacity_blocks:
+            raise ValueError(f"need 0 <= num_blocks < capacity_blocks (one id is the null "
+                             f"block), got {num_blocks} and {capacity_blocks}")
+        self.layout = layout or KVLayout()
         self.num_blocks = num_blocks  # online blocks
         self.capacity_blocks = capacity_blocks
-        self.block_size = block_size
         self.prefix_cache: PrefixCache = (
             PrefixCache() if enable_prefix_caching else NullPrefixCache()
         )
         self._ref_counts = [0] * capacity_blocks
         self._num_filled_slots = [0] * capacity_blocks
-        self._is_online = [True] * num_blocks + [False] * (capacity_blocks - num_blocks)
-        # Reversed so that a new pool hands out 0, 1, 2, ... in order.
-        self._fresh_free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_online = [False] * capacity_blocks
+        self._is_online[1 : num_blocks + 1] = [True] * num_blocks
+        # Reversed so that a new pool hands out 1, 2, 3, ... in order.
+        self._fresh_free_ids: list[int] = list(range(num_blocks, 0, -1))
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
         self._num_filled_slots_in_use = 0
         self.reset_counters()
@@ -128,6 +108,10 @@ class BlockPool:
         self._num_hits_tokens = 0
 
     # ----------------------------------------------------------------- queries
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that never held a hashed prefix (or had theirs evicted)."""
@@ -159,7 +143,8 @@ class BlockPool:
         return block_id in self._evictable_ids
 
     def is_online(self, block_id: int) -> bool:
-        return 0 <= block_id < self.capacity_blocks and self._is_online[block_id]
+        return type(block_id) is int and 0 <= block_id < self.capacity_blocks and (
+            self._is_online[block_id])
 
     def online_block_ids(self) -> list[int]:
         """Every online id, ascending (O(capacity_blocks))."""
@@ -205,43 +190,33 @@ class BlockPool:
 
         Pass a sequence's blocks tail first: cached blocks then join the LRU list tail first
         and are evicted before the prefix blocks other requests are likelier to reuse.
-        All or nothing: on an unknown id or a double free every drop is undone, then it raises.
+        All or nothing: on an id that holds no reference (unknown, offline, the null block, a
+        non-int, a double free) every drop is undone, then InvalidBlockError is raised.
         """
         ref_counts = self._ref_counts
         if type(block_ids) is list and len(block_ids) == 1:  # the decode hot path
             block_id = block_ids[0]
-            if (
-                type(block_id) is int
-                and 0 <= block_id < self.capacity_blocks
-                and ref_counts[block_id]
-            ):
+            if type(block_id) is int and 0 < block_id < self.capacity_blocks and (
+                    ref_counts[block_id]):
                 ref_counts[block_id] -= 1
                 if ref_counts[block_id] == 0:
                     self._release(block_id)
                 return
         dropped: list[int] = []
         released: list[int] = []  # each id once: at the drop that reached zero
-        capacity_blocks = self.capacity_blocks
-        for block_id in block_ids:
-            if not (type(block_id) is int and 0 <= block_id < capacity_blocks):
-                self._undo_drops(dropped)
-                self._check_id(block_id)
-            if ref_counts[block_id] == 0:  # offline ids have none either
-                self._undo_drops(dropped)
-                self._check_id(block_id)
-                raise InvalidBlockError(
-                    f"cannot free block {block_id}: it holds no reference to drop (double free)"
-                )
-            ref_counts[block_id] -= 1
-            dropped.append(block_id)
-            if ref_counts[block_id] == 0:
-                released.append(block_id)
+        try:
+            for block_id in block_ids:
+                self._check_referenced(block_id, "free")
+                ref_counts[block_id] -= 1
+                dropped.append(block_id)
+                if ref_counts[block_id] == 0:
+                    released.append(block_id)
+        except InvalidBlockError:
+            for block_id in dropped:
+                ref_counts[block_id] += 1
+            raise
         for block_id in released:
             self._release(block_id)
-
-    def _undo_drops(self, dropped: list[int]) -> None:
-        for block_id in dropped:
-            self._ref_counts[block_id] += 1
 
     def _release(self, block_id: int) -> None:
         self._num_filled_slots_in_use -= self._num_filled_slots[block_id]
@@ -253,7 +228,8 @@ class BlockPool:
             self._fresh_free_ids.append(block_id)
 
     def retain(self, block_ids: Iterable[int]) -> None:
-        """Add one reference per id: share used blocks, or revive cached ones."""
+        """Add one reference per id: share used blocks, or revive cached ones; all or
+        nothing (InvalidBlockError for an id that is neither used nor cached)."""
         block_ids = list(block_ids)
         for block_id in block_ids:
             self._check_id(block_id)
@@ -273,72 +249,6 @@ class BlockPool:
         self._num_filled_slots_in_use += num_filled - self._num_filled_slots[block_id]
         self._num_filled_slots[block_id] = num_filled
 
-    # ------------------------------------------------------- online / offline
-    def add_blocks(self, block_ids: Iterable[int]) -> None:
-        """Bring offline ids online as free blocks, under those already free (module docstring);
-        among themselves they are handed out lowest id first."""
-        block_ids = sorted(block_ids)
-        for index, block_id in enumerate(block_ids):
-            if not (isinstance(block_id, int) and 0 <= block_id < self.capacity_blocks):
-                raise InvalidBlockError(f"block id {block_id!r} is outside the pool's capacity")
-            if self._is_online[block_id] or (index and block_ids[index - 1] == block_id):
-                raise InvalidBlockError(f"block {block_id} is already online")
-        for block_id in block_ids:
-            self._is_online[block_id] = True
-        self._fresh_free_ids[:0] = block_ids[::-1]
-        self.num_blocks += len(block_ids)
-
-    def remove_blocks(self, block_ids: Iterable[int]) -> int:
-        """Take unused online ids offline, evicting the cached ones; returns how many were.
-
-        All or nothing: an id that is used or offline changes nothing and raises.
-        """
-        removed = set(block_ids)
-        for block_id in removed:
-            self._check_id(block_id)
-            if self._ref_counts[block_id]:
-                raise InvalidBlockError(f"cannot take block {block_id} offline: it is used")
-        num_evicted = 0
-        for block_id in removed:
-            self._is_online[block_id] = False
-            if block_id in self._evictable_ids:
-                del self._evictable_ids[block_id]
-                self.prefix_cache.remove(block_id)
-                self._num_filled_slots[block_id] = 0
-                num_evicted += 1
-        self._fresh_free_ids = [b for b in self._fresh_free_ids if b not in removed]
-        self.num_blocks -= len(removed)
-        self._num_evictions += num_evicted
-        return num_evicted
-
-    def relocate_blocks(self, block_ids: Sequence[int]) -> dict[int, int]:
-        """Move used blocks' bookkeeping to newly taken blocks; returns old id -> new id.
-
-        Each new block gets the old one's references, filled slots and prefix-cache entry (so a
-        cached prefix still hits); each old block becomes free. The caller copies the KV data
-        and remaps every block table holding an old id. New blocks come from the free blocks
-        (fresh first, then evicting cached ones), never from `block_ids`; all or nothing.
-        """
-        for block_id in block_ids:
-            self._check_id(block_id)
-            if not self._ref_counts[block_id]:
-                raise InvalidBlockError(f"cannot relocate block {block_id}: it is not used")
-        if len(set(block_ids)) != len(block_ids):
-            raise InvalidBlockError("relocate_blocks got a block id twice")
-        if len(block_ids) > self.num_allocatable_blocks:
-            raise OutOfBlocksError(len(block_ids), self.num_free_blocks, self.num_cached_blocks)
-        old_to_new = {old_id: self._take_one() for old_id in block_ids}
-        for old_id, new_id in old_to_new.items():
-            self._ref_counts[new_id] = self._ref_counts[old_id]
-            self._num_filled_slots[new_id] = self._num_filled_slots[old_id]
-            entry = self.prefix_cache.remove(old_id)
-            if entry is not None:
-                self.prefix_cache.insert(new_id, entry.block_hash, entry.token_ids)
-            self._ref_counts[old_id] = 0
-            self._num_filled_slots[old_id] = 0
-            self._fresh_free_ids.append(old_id)
-        return old_to_new
-
     def reset(self) -> None:
         """Make a pool with no used blocks look new: prefix cache emptied, free blocks handed
         out lowest id first again, counters zero (the engine calls it after its warm-up)."""
@@ -354,31 +264,41 @@ class BlockPool:
     # ----------------------------------------------------------- prefix cache
     def match_prefix(
         self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
-    ) -> list[int]:
-        """Ids of the longest run of cached blocks matching the leading full blocks.
-
-        Pure lookup: no references taken, no counters touched (admission checks call it).
-        """
+    ) -> PrefixMatch:
+        """The longest run of cached blocks matching the leading full blocks of `token_ids`
+        (whose chained hashes are `block_hashes`; extra hashes past its full blocks are
+        ignored). Pure lookup: no references taken, no counters touched."""
         block_ids: list[int] = []
         size = self.block_size
-        for index, block_hash in enumerate(block_hashes):
+        num_query_blocks = min(len(block_hashes), len(token_ids) // size)
+        for index in range(num_query_blocks):
             block_id = self.prefix_cache.lookup(
-                block_hash, token_ids[index * size : (index + 1) * size]
+                block_hashes[index], token_ids[index * size : (index + 1) * size]
             )
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return block_ids
+        num_evictable = sum(1 for block_id in block_ids if block_id in self._evictable_ids)
+        return PrefixMatch(block_ids, len(block_ids) * size, num_evictable, num_query_blocks,
+                           len(token_ids))
 
-    def take_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]) -> list[int]:
-        """Like `match_prefix`, but takes a reference on each hit and counts the query."""
-        block_ids = self.match_prefix(block_hashes, token_ids)
-        self.retain(block_ids)
-        self._num_queries_blocks += len(block_hashes)
-        self._num_queries_tokens += len(token_ids)
-        self._num_hits_blocks += len(block_ids)
-        self._num_hits_tokens += len(block_ids) * self.block_size
-        return block_ids
+    def num_blocks_to_admit(self, match: PrefixMatch, num_tokens: int) -> int:
+        """Allocatable blocks a new table needs to hold `num_tokens` tokens, starting from
+        `match`: its new blocks, plus the cached hits it revives (the admission arithmetic the
+        engine and the simulator share)."""
+        num_new_blocks = self.layout.num_blocks_for_tokens(num_tokens) - len(match.block_ids)
+        return num_new_blocks + match.num_evictable
+
+    def take_prefix(self, match: PrefixMatch) -> list[int]:
+        """Take a reference on each block of `match` (found by `match_prefix` with nothing
+        evicted since) and count the query; returns the block ids."""
+        assert all(self.prefix_cache.is_cached(b) for b in match.block_ids), "stale match"
+        self.retain(match.block_ids)
+        self._num_queries_blocks += match.num_query_blocks
+        self._num_queries_tokens += match.num_query_tokens
+        self._num_hits_blocks += len(match.block_ids)
+        self._num_hits_tokens += match.num_cached_tokens
+        return list(match.block_ids)
 
     def publish(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         """Offer a full, computed, used block to the prefix cache.
@@ -417,6 +337,7 @@ class BlockPool:
         assert len(fresh) == len(self._fresh_free_ids), "duplicate id on the free stack"
         assert not fresh & evictable, "a block is both free and cached"
         assert sum(self._is_online) == self.num_blocks, "the online count is off"
+        assert not self._is_online[NULL_BLOCK_ID], "the null block is online"
         filled_in_use = 0
         for block_id, ref_count in enumerate(self._ref_counts):
             assert ref_count >= 0
@@ -435,8 +356,19 @@ class BlockPool:
         assert self._num_allocations - self._num_frees == self.num_used_blocks, "counters drift"
 
     def _check_id(self, block_id: int) -> None:
-        if not (isinstance(block_id, int) and self.is_online(block_id)):
+        """InvalidBlockError unless `block_id` is an online id (a plain int: bools, floats and
+        numpy ints are refused, never read as ids)."""
+        if not self.is_online(block_id):
+            what = "is the null block" if block_id == NULL_BLOCK_ID and type(block_id) is int else (
+                "does not exist")
             raise InvalidBlockError(
-                f"block id {block_id!r} does not exist (pool has {self.num_blocks} online of "
+                f"block id {block_id!r} {what} (pool has {self.num_blocks} online of "
                 f"{self.capacity_blocks})"
             )
+
+    def _check_referenced(self, block_id: int, action: str) -> None:
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            why = "it holds no reference to drop (double free)" if action == "free" else (
+                "it is not used")
+            raise InvalidBlockError(f"cannot {action} block {block_id}: {why}")

@@ -1,27 +1,24 @@
-"""The KV pool's memory: which block ids are online, and how that changes while the engine runs.
+"""The elastic KV pool (`--kv-pool elastic`): blocks come online a segment at a time under
+pressure and go back to the arena when idle.
 
-Both modes lay the KV tensor over one arena reservation (`kvpool.memory.arena`), made once at
-start-up, and both answer the same calls (`KVPool`), so the engine never asks which it has:
+The KV tensor views the *whole* arena as
+`[capacity_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, but only the blocks of
+*segments* are online in the block pool. A segment is one exact arena allocation of up to
+`segment_blocks` blocks aligned to a block's size, so its ids are one run and
+block id = byte offset / bytes_per_block. The arena's first block is the null block:
 
-- `StaticKVPool` (`--kv-pool static`): one arena allocation holding every block, all online
-  from the start. It never grows or shrinks: the null object of the elastic pool.
-- `ElasticKVPool` (`--kv-pool elastic`): the KV tensor views the *whole* arena as
-  `[capacity_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, but only the blocks
-  of *segments* are online in the block pool. A segment is one exact arena allocation of up to
-  `segment_blocks` blocks aligned to a block's size, so its ids are one run and
-  block id = byte offset / bytes_per_block:
-
-        arena bytes   | segment: ids 0..127 | segment: ids 128..255 | free ..................|
-        KV tensor     [ block 0 ......................................... capacity_blocks - 1 ]
-        block pool      online: 0..255                               offline: 256..
+    arena bytes   | null | segment: ids 1..128 | segment: ids 129..256 | free ...............|
+    KV tensor     [ 0    | 1 ........................................... capacity_blocks - 1 ]
+    block pool      never  online: 1..256                                offline: 257..
 
 Policy (`maybe_resize`, which the engine calls between steps, never inside one):
 - grow by a segment when fewer than `low_watermark_blocks` blocks are allocatable, while the
   arena has room; the engine's KV manager also grows on demand (`grow`) before it would
   preempt a sequence or refuse admission;
 - shrink when at least a segment's blocks plus the watermark have been allocatable without a
-  break for `idle_seconds`, one segment per idle period, never below the initial segments
-  (`initial_blocks` is both the pre-allocation and the floor; 0 gives everything back).
+  break for `idle_seconds`, one segment per idle period, never below the blocks online at
+  start (`initial_blocks`, rounded up to whole segments, is both the pre-allocation and the
+  floor; 0 gives everything back).
 
 Shrink (`shrink`) empties the segment with the fewest used blocks (ties: the highest ids):
 its free blocks go offline; its cached blocks that no table holds are *evicted*, not moved
@@ -31,11 +28,16 @@ and prefix-cache entry moved, every live block table remapped); then the segment
 back to the arena. Memory given back stays in the arena's one reservation, ready for the next
 grow; it is not returned to the device allocator.
 
+`reset` returns the pool to its start-up state exactly: every segment is given back and the
+initial ones are taken again, so the same ids are online, in the same free order.
+
 Invariants:
-- The online ids are exactly the union of the segments' runs (static: every id).
-- A segment's bytes are zeroed when it comes online, and block 0's when the pool is made:
-  attention reads (and masks) never-written slots and zero-padded table entries (block 0), and
-  a stale NaN bit pattern would survive the mask (0 * NaN = NaN).
+- The arena's first block-sized range is the null block (id 0), zeroed, held for the pool's
+  life and never online (static: the null block is row 0 of the one allocation).
+- The online ids are exactly the union of the segments' runs (static: every id but 0).
+- A segment's bytes are zeroed when it comes online: attention reads (and masks) the
+  never-written slots of a sequence's last block, and a stale NaN bit pattern would survive the
+  mask (0 * NaN = NaN).
 - Resizes happen only between steps, so no step's slot mapping or block copy refers to an id
   that moves.
 """
@@ -46,18 +48,17 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvpool.memory.arena_free_list import FreeRange, align_up
-from kvpool.memory.arena_stats import ArenaStats
-from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.block_table import BlockCopy, BlockTable
+from kvpool.memory.kv_pool import KVPoolStats
+from kvpool.memory.resizable_block_pool import ResizableBlockPool
 
 if TYPE_CHECKING:
     from kvpool.memory.arena import Arena, ArenaHandle
     from kvpool.memory.kv_cache import KVCache
-
-KV_POOL_MODES = ("static", "elastic")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,83 +80,6 @@ class ElasticPoolConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class KVPoolStats:
-    """A snapshot of the pool's memory; counters count since start-up (or the warm-up)."""
-
-    mode: str  # "static" or "elastic"
-    num_online_blocks: int
-    max_num_blocks: int  # online plus what the arena could still bring online
-    num_segments: int
-    bytes_per_block: int
-    num_grows: int
-    num_shrinks: int
-    num_migrated_blocks: int  # used blocks copied to another segment by shrinks
-    num_evicted_blocks: int  # unreferenced cached blocks dropped by shrinks
-    arena: ArenaStats
-
-
-class KVPool(Protocol):
-    """What the engine asks of its KV memory, static or elastic."""
-
-    pool: BlockPool
-    kv_cache: KVCache
-    arena: Arena
-
-    @property
-    def max_num_blocks(self) -> int:
-        """Blocks the pool holds at its largest: what a single sequence can ever use."""
-        ...
-
-    def grow(self) -> bool:
-        """Bring one more segment online; False when the budget is exhausted."""
-        ...
-
-    def shrink(self, block_tables: Iterable[BlockTable]) -> bool:
-        """Give the emptiest segment back, remapping `block_tables` (every live table)."""
-        ...
-
-    def maybe_resize(self, now: float, block_tables: Iterable[BlockTable]) -> None:
-        """Apply the grow/shrink policy; `now` in seconds (time.monotonic)."""
-        ...
-
-    def reset(self) -> None:
-        """With no block used: back to the start-up state, counters zero (after a warm-up)."""
-        ...
-
-    def stats(self) -> KVPoolStats: ...
-
-
-class StaticKVPool:
-    """Every block online from the start, in one arena allocation; never resizes."""
-
-    def __init__(self, pool: BlockPool, kv_cache: KVCache, arena: Arena) -> None:
-        self.pool = pool
-        self.kv_cache = kv_cache
-        self.arena = arena
-        kv_cache.tensor.zero_()
-
-    @property
-    def max_num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    def grow(self) -> bool:
-        return False
-
-    def shrink(self, block_tables: Iterable[BlockTable]) -> bool:
-        return False
-
-    def maybe_resize(self, now: float, block_tables: Iterable[BlockTable]) -> None:
-        return None
-
-    def reset(self) -> None:
-        self.pool.reset()
-
-    def stats(self) -> KVPoolStats:
-        return KVPoolStats("static", self.pool.num_blocks, self.pool.num_blocks, 1,
-                           self.kv_cache.bytes_per_block, 0, 0, 0, 0, self.arena.stats())
-
-
-@dataclass(frozen=True, slots=True)
 class Segment:
     """One arena allocation whose blocks are online: ids `first_block_id ..` + num_blocks."""
 
@@ -171,20 +95,22 @@ class Segment:
 class ElasticKVPool:
     """Segments of KV blocks taken from the arena under pressure and given back when idle."""
 
-    def __init__(self, pool: BlockPool, kv_cache: KVCache, arena: Arena,
+    def __init__(self, pool: ResizableBlockPool, kv_cache: KVCache, arena: Arena,
                  config: ElasticPoolConfig | None = None) -> None:
-        """`kv_cache` must view the arena buffer from byte 0 (block id = offset / block size),
-        and `pool` must start with no block online."""
+        """`kv_cache` must view the whole, still empty arena buffer from byte 0 (block id =
+        offset / block size), and `pool` must start with no block online. The arena's first
+        block becomes the null block."""
         assert kv_cache.tensor.data_ptr() == arena.buffer.data_ptr(), "KV must view the arena"
         assert pool.num_blocks == 0 and pool.capacity_blocks == kv_cache.num_blocks
         self.pool = pool
         self.kv_cache = kv_cache
         self.arena = arena
         self.config = config or ElasticPoolConfig()
-        self.bytes_per_block = kv_cache.bytes_per_block
+        self.bytes_per_block = pool.layout.bytes_per_block
+        null_block = arena.allocate(self.bytes_per_block, alignment=self.bytes_per_block)
+        assert null_block.offset == NULL_BLOCK_ID * self.bytes_per_block, "the arena was not empty"
         self._segments: list[Segment] = []
         self._idle_since: float | None = None
-        arena.buffer[: self.bytes_per_block].zero_()  # block 0: the padding id attention reads
         initial = self.config.initial_blocks
         if initial is None:  # one segment, or the whole budget when it is smaller
             initial = min(self.config.segment_blocks, self.max_num_blocks)
@@ -193,7 +119,8 @@ class ElasticKVPool:
                              "blocks the KV budget holds")
         while self.pool.num_blocks < initial:
             self._add_segment(self._next_segment_blocks())
-        self._num_initial_segments = len(self._segments)
+        self._initial_segment_blocks = [segment.num_blocks for segment in self._segments]
+        self._num_initial_blocks = self.pool.num_blocks  # the floor no shrink goes below
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -247,20 +174,28 @@ class ElasticKVPool:
 
     def _add_segment(self, num_blocks: int) -> None:
         nbytes = num_blocks * self.bytes_per_block
-        handle = self.arena.allocate(nbytes, alignment=self.bytes_per_block, size_class=False)
+        handle = self.arena.allocate(nbytes, alignment=self.bytes_per_block)
         self.arena.buffer[handle.offset : handle.offset + nbytes].zero_()
         segment = Segment(handle, handle.offset // self.bytes_per_block, num_blocks)
         self.pool.add_blocks(segment.block_ids)
         self._segments.append(segment)
 
-    def shrink(self, block_tables: Iterable[BlockTable]) -> bool:
-        """Migrate the emptiest segment's used blocks elsewhere and give the segment back.
+    def _remove_segment(self, segment: Segment, block_ids: Iterable[int]) -> None:
+        """Take `block_ids`, the segment's blocks still online and none of them used, offline
+        (cached ones are evicted) and give the segment's range back to the arena."""
+        self._num_evicted_blocks += self.pool.remove_blocks(block_ids)
+        self.arena.free(segment.handle)
+        self._segments.remove(segment)
+
+    def shrink(self, block_tables: Iterable[BlockTable], min_online_blocks: int = 0) -> bool:
+        """Migrate the emptiest segment's used blocks elsewhere and give the segment back,
+        keeping at least `min_online_blocks` online.
 
         `block_tables` must be every table holding a block (ValueError otherwise, before any
-        change). Returns False, changing nothing, when no segment can go: there is none, or
-        the other segments lack free blocks for its used ones.
+        change). Returns False, changing nothing, when no segment can go: there is none small
+        enough, or the other segments lack free blocks for its used ones.
         """
-        segment = self._emptiest_segment()
+        segment = self._emptiest_segment(min_online_blocks)
         if segment is None:
             return False
         used_ids = [b for b in segment.block_ids if self.pool.ref_count(b)]
@@ -268,26 +203,29 @@ class ElasticKVPool:
         self._check_tables_hold(tables, segment, used_ids)
         if self.pool.num_allocatable_blocks < segment.num_blocks:
             return False  # the other segments cannot take the used blocks
+        # Unused blocks go offline first, so relocation cannot pick them as destinations.
         unused_ids = [b for b in segment.block_ids if not self.pool.ref_count(b)]
         self._num_evicted_blocks += self.pool.remove_blocks(unused_ids)
         old_to_new = self.pool.relocate_blocks(used_ids)
         self.kv_cache.copy_blocks([BlockCopy(old, new) for old, new in old_to_new.items()])
         for table in tables:
             table.remap(old_to_new)
-        self.pool.remove_blocks(used_ids)
-        self.arena.free(segment.handle)
-        self._segments.remove(segment)
+        self._remove_segment(segment, used_ids)
         self._num_shrinks += 1
         self._num_migrated_blocks += len(used_ids)
         return True
 
-    def _emptiest_segment(self) -> Segment | None:
-        """Fewest used blocks; ties go to the highest ids, keeping the arena's low end dense."""
+    def _emptiest_segment(self, min_online_blocks: int) -> Segment | None:
+        """Of the segments that can go while `min_online_blocks` stay online: the fewest used
+        blocks; ties go to the highest ids, keeping the arena's low end dense."""
+        spare = self.pool.num_blocks - min_online_blocks
+
         def order(segment: Segment) -> tuple[int, int]:
             num_used = sum(1 for b in segment.block_ids if self.pool.ref_count(b))
             return num_used, -segment.first_block_id
 
-        return min(self._segments, key=order, default=None)
+        candidates = [segment for segment in self._segments if segment.num_blocks <= spare]
+        return min(candidates, key=order, default=None)
 
     def _check_tables_hold(self, tables: list[BlockTable], segment: Segment,
                            used_ids: list[int]) -> None:
@@ -307,26 +245,29 @@ class ElasticKVPool:
             self.grow()
             return
         smallest = min((segment.num_blocks for segment in self._segments), default=0)
-        if len(self._segments) <= self._num_initial_segments or (
-            num_allocatable < smallest + watermark
-        ):
+        spare = self.pool.num_blocks - self._num_initial_blocks
+        if not self._segments or smallest > spare or num_allocatable < smallest + watermark:
             self._idle_since = None  # nothing to spare: the idle clock restarts
             return
         if self._idle_since is None:
             self._idle_since = now
         if now - self._idle_since < self.config.idle_seconds:
             return
-        segment = self._emptiest_segment()
+        segment = self._emptiest_segment(self._num_initial_blocks)
         if segment is not None and num_allocatable >= segment.num_blocks + watermark:
-            self.shrink(block_tables)
+            self.shrink(block_tables, self._num_initial_blocks)
         self._idle_since = now  # the next segment waits for an idle period of its own
 
     def reset(self) -> None:
-        """Give back the segments grown since start-up (none may hold a used block), reset
-        the block pool, zero the counters."""
-        while len(self._segments) > self._num_initial_segments:
-            is_shrunk = self.shrink(())
-            assert is_shrunk, "reset needs a pool with no used blocks"
+        """Back to the start-up state (no block may be used): every segment given back and
+        the initial ones taken again, so the same ids are online in the same free order; the
+        block pool reset, the counters zero."""
+        if self.pool.num_used_blocks:
+            raise ValueError(f"cannot reset with {self.pool.num_used_blocks} blocks in use")
+        for segment in list(self._segments):
+            self._remove_segment(segment, segment.block_ids)
+        for num_blocks in self._initial_segment_blocks:
+            self._add_segment(num_blocks)
         self.pool.reset()
         self._idle_since = None
         self._reset_counters()

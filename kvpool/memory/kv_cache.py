@@ -1,6 +1,6 @@
 """The KV cache tensor: every block's K and V for every layer, in one preallocated tensor.
 
-Layout, block-major:
+Layout, block-major (`KVLayout.tensor_shape`):
 
     kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         block b ─┬─ layer 0 ─┬─ K: [block_size, num_kv_heads, head_dim]
@@ -14,7 +14,9 @@ block in one contiguous copy, and a run of block ids is a run of bytes that an a
 out as a segment. A layer's view `kv[:, layer]` is strided across blocks, which gathers and
 kernels index without cost.
 
-Invariant: the tensor never changes shape or storage after construction; block ids index dim 0.
+Invariants: the tensor never changes shape or storage after construction; block ids index
+dim 0; its shape and dtype are the layout's (asserted once, here); block 0, the null block
+(`kvpool.memory.block_pool.NULL_BLOCK_ID`), is zero and is never written.
 """
 
 from __future__ import annotations
@@ -23,62 +25,43 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.block_table import BlockCopy
-
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def kv_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes of one block: K and V for every layer."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
+from kvpool.memory.kv_layout import KVLayout
 
 
 class KVCache:
-    """One `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` tensor."""
+    """One `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` tensor, the null
+    block included in `num_blocks`."""
 
     def __init__(
         self,
+        layout: KVLayout,
         num_blocks: int,
-        num_layers: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         storage: torch.Tensor | None = None,
     ) -> None:
-        """Allocate the cache, or lay it over `storage` (a byte buffer, e.g. an arena range)."""
-        if dtype not in KV_DTYPES.values():
-            raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype}")
-        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        """Allocate the cache (zeroed), or lay it over `storage` (a byte buffer, e.g. an arena
+        range; only the null block is zeroed then)."""
+        shape = layout.tensor_shape(num_blocks)
         if storage is None:
-            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
         else:
-            needed = num_blocks * kv_bytes_per_block(
-                num_layers, block_size, num_kv_heads, head_dim, dtype
-            )
+            needed = num_blocks * layout.bytes_per_block
             if storage.dtype != torch.uint8 or storage.numel() < needed:
                 raise ValueError(f"storage must be a uint8 buffer of at least {needed} bytes")
-            self.tensor = storage[:needed].view(dtype).view(shape)
-        self.num_blocks = num_blocks
-        self.num_layers = num_layers
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
+            self.tensor = storage[:needed].view(layout.torch_dtype).view(shape)
+            self.tensor[NULL_BLOCK_ID].zero_()
+        layout.check_tensor(self.tensor)
+        self.layout = layout
 
     @property
-    def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
+    def num_blocks(self) -> int:
+        return self.tensor.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return self.num_blocks * self.layout.bytes_per_block
 
     def layer(self, layer_index: int) -> torch.Tensor:
         """`[num_blocks, 2, block_size, num_kv_heads, head_dim]` view of one layer."""
@@ -109,12 +92,3 @@ def write_kv(
     offsets = slot_mapping % block_size
     kv_cache_layer[block_ids, 0, offsets] = key.to(kv_cache_layer.dtype)
     kv_cache_layer[block_ids, 1, offsets] = value.to(kv_cache_layer.dtype)
-
-
-def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
-    """How many whole blocks a memory budget holds."""
-    if memory_bytes < bytes_per_block:
-        raise ValueError(
-            f"a KV budget of {memory_bytes} bytes cannot hold one block ({bytes_per_block} bytes)"
-        )
-    return memory_bytes // bytes_per_block

@@ -1,13 +1,22 @@
 """Content hashes of full KV blocks and the map from hash to the block that holds them.
 
 A full block's hash chains on its parent's hash, so equal hashes mean equal *prefixes*, not
-just equal blocks:
+just equal blocks. The hashed bytes are three fixed-width fields and the tokens, so no two
+different (parent, salt, tokens) triples are the same byte string:
 
-    hash_i = SHA-256(hash_{i-1} || extra_keys || token_ids of block i)      (hash_{-1} = b"")
+    hash_i = SHA-256( parent      32 bytes: hash_{i-1}, or 32 zero bytes for block 0
+                    | salt key    33 bytes: 0x00 + 32 zeros (no salt), or
+                                            0x01 + SHA-256(salt, UTF-8)
+                    | token ids   4 bytes each, unsigned little-endian )
 
-`extra_keys` carries the request's cache salt, so requests with different salts never produce
-the same hash and never share a block. SHA-256 is collision resistant; on top of that every hit
-compares the stored token ids, so even a collision cannot hand one request another's KV.
+The salt (a tenant's, or a client's `cache_salt`) is in every block's hash, so requests with
+different salts never produce the same hash and never share a block; "no salt" and the empty
+salt differ.
+
+What a hit guarantees: the stored block was published under exactly this hash, and its own
+token ids equal the query's (compared on every lookup). Earlier blocks are covered by the
+chain: handing a request KV computed from other tokens would take a SHA-256 collision between
+two different inputs above, which is not known to be feasible.
 
 Invariants of `PrefixCache`:
 - `_block_id_by_hash` and `_entry_by_block_id` are inverse maps: a hash names at most one block
@@ -25,6 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
+SaltKey = bytes
+
+_NO_PARENT = bytes(32)
+NO_SALT: SaltKey = bytes(33)
 
 # Token ids are packed as unsigned 32-bit little-endian integers; vocabularies stay far below 2**32.
 _TOKEN_ITEMSIZE = 4
@@ -37,23 +50,22 @@ def _pack_token_ids(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def encode_extra_keys(cache_salt: str | None) -> bytes:
-    """The bytes mixed into every block hash of a request: empty when there is no salt.
+def salt_key(cache_salt: str | None) -> SaltKey:
+    """The 33 bytes mixed into every block hash of a request (module docstring).
 
-    A salted request is length-prefixed so that no salt can collide with the unsalted case.
+    UnicodeEncodeError (a ValueError) for a salt that is not valid text (a lone surrogate).
     """
     if cache_salt is None:
-        return b""
-    salt = cache_salt.encode()
-    return len(salt).to_bytes(4, "little") + salt
+        return NO_SALT
+    return b"\x01" + hashlib.sha256(cache_salt.encode("utf-8")).digest()
 
 
 def hash_block(
-    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+    parent_hash: BlockHash | None, token_ids: Sequence[int], salt: SaltKey = NO_SALT
 ) -> BlockHash:
     """Hash of one full block chained on its parent's hash (None for the first block)."""
-    digest = hashlib.sha256(parent_hash or b"")
-    digest.update(extra_keys)
+    digest = hashlib.sha256(parent_hash or _NO_PARENT)
+    digest.update(salt)
     digest.update(_pack_token_ids(token_ids))
     return digest.digest()
 
@@ -61,7 +73,7 @@ def hash_block(
 def hash_full_blocks(
     token_ids: Sequence[int],
     block_size: int,
-    extra_keys: bytes = b"",
+    salt: SaltKey = NO_SALT,
     parent_hash: BlockHash | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of `token_ids` (a partial tail is ignored).
@@ -73,8 +85,8 @@ def hash_full_blocks(
     block_nbytes = block_size * _TOKEN_ITEMSIZE
     hashes: list[BlockHash] = []
     for start in range(0, (len(token_ids) // block_size) * block_nbytes, block_nbytes):
-        digest = hashlib.sha256(parent_hash or b"")
-        digest.update(extra_keys)
+        digest = hashlib.sha256(parent_hash or _NO_PARENT)
+        digest.update(salt)
         digest.update(packed[start : start + block_nbytes])
         parent_hash = digest.digest()
         hashes.append(parent_hash)
@@ -87,6 +99,18 @@ class CachedBlock:
 
     block_hash: BlockHash
     token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The longest cached prefix of a prompt (`BlockPool.match_prefix`): found once when
+    admission is planned, taken as it is when the sequence is admitted (`take_prefix`)."""
+
+    block_ids: list[int]
+    num_cached_tokens: int
+    num_evictable: int  # hits no table holds: reviving them uses allocatable blocks
+    num_query_blocks: int  # what was looked up, for the hit-rate counters
+    num_query_tokens: int
 
 
 class PrefixCache:
@@ -107,7 +131,7 @@ class PrefixCache:
         if block_id is None:
             return None
         if self._entry_by_block_id[block_id].token_ids != tuple(token_ids):
-            return None  # a hash collision: never hand out someone else's KV
+            return None  # a hash collision within the block: never hand out others' KV
         return block_id
 
     def insert(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
@@ -125,9 +149,6 @@ class PrefixCache:
         if entry is not None:
             del self._block_id_by_hash[entry.block_hash]
         return entry
-
-    def entry(self, block_id: int) -> CachedBlock | None:
-        return self._entry_by_block_id.get(block_id)
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._entry_by_block_id

@@ -18,6 +18,8 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool.engine.errors import InvalidRequestError
+
 DEFAULT_TENANT = "default"
 MAX_CLIENT_SALT_CHARS = 256
 
@@ -84,11 +86,21 @@ def parse_key_file(text: str) -> list[tuple[str, str]]:
 
 
 def derive_cache_salt(tenant: str, client_salt: str | None) -> str:
-    """The engine's cache salt: the tenant, narrowed by the client's salt when given."""
+    """The engine's cache salt: the tenant, narrowed by the client's salt when given.
+
+    InvalidRequestError (param "cache_salt") for a salt that is too long or is not text that
+    can be hashed (a lone surrogate, which JSON's `\\ud800` escape can carry): it is refused
+    here, before it reaches the engine."""
     if client_salt is None:
         return tenant
     if len(client_salt) > MAX_CLIENT_SALT_CHARS:
-        raise ValueError(f"cache_salt must be at most {MAX_CLIENT_SALT_CHARS} characters")
+        raise InvalidRequestError(
+            f"cache_salt must be at most {MAX_CLIENT_SALT_CHARS} characters", "cache_salt")
+    try:
+        client_salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            "cache_salt must be valid Unicode text (no lone surrogates)", "cache_salt") from None
     return f"{tenant}\x00{client_salt}"
 
 

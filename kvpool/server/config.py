@@ -16,11 +16,21 @@ class ServerConfig:
     `max_concurrent_requests`: generation requests in flight (streams included); one more gets
     429 at once rather than queueing, so a load balancer or the openai client (which retries
     429 with backoff) can go elsewhere or wait. None: no limit.
+
+    `max_queued_sequences`: sequences in flight, summed over those requests (each is its
+    prompts × n); a request that would pass it gets 429 the same way, and one that alone asks
+    for more gets 400. The concurrency limit alone admits 1,024 requests × 64 prompts = 65,536
+    sequences, times n (up to 16). The default, 4096, is four of the largest single request
+    (64 prompts × n 16) and 16 times the engine's default `max_num_seqs` (256): enough waiting
+    work to keep a full batch busy through many rounds of admission, while a burst past it is
+    told to back off instead of sitting minutes in the scheduler's waiting list (with its
+    prompts in memory). None: no limit.
     """
 
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
     api_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
     max_concurrent_requests: int | None = 1024
+    max_queued_sequences: int | None = 4096  # prompts × n, summed over requests in flight
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 16  # completions per prompt
     max_prompts: int = 64  # prompts in one /v1/completions batch
@@ -39,8 +49,9 @@ class ServerConfig:
             "max_stop_strings": self.max_stop_strings,
             "max_stop_chars": self.max_stop_chars,
         }
-        if self.max_concurrent_requests is not None:
-            positive["max_concurrent_requests"] = self.max_concurrent_requests
+        for name in ("max_concurrent_requests", "max_queued_sequences"):
+            if getattr(self, name) is not None:
+                positive[name] = getattr(self, name)
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

@@ -4,7 +4,9 @@
 FastAPI's own errors (422 validation, 404 route, 405 method, body parse failures) are converted
 here, so no response ever carries FastAPI's `{"detail": ...}`. Messages are cut to
 `MAX_MESSAGE_CHARS` and never include the offending input itself (pydantic's `input` is dropped),
-so a client cannot make the server echo an unbounded value back.
+so a client cannot make the server echo an unbounded value back. The one exception is OpenAI's
+own: an unknown model's name, cut to 64 characters. Lone surrogates in a message are replaced,
+so an error body can always be encoded.
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         detail = ErrorDetail(
-            message=truncate(self.message),
+            message=_encodable(truncate(self.message)),
             type=self.error_type,
-            param=None if self.param is None else truncate(self.param, 64),
+            param=None if self.param is None else _encodable(truncate(self.param, 64)),
             code=self.code,
         )
         return ErrorResponse(error=detail).model_dump()
@@ -76,6 +78,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def truncate(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _encodable(text: str) -> str:
+    """`text` with lone surrogates (which JSON's `\\ud800` escape can put into a model name)
+    replaced, so that the body can be encoded as UTF-8 instead of failing with a 500."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:

@@ -3,7 +3,12 @@
 Every check that can fail on user input lives here and raises `OpenAIError` 400 with the
 parameter named: empty or too many prompts, a prompt that fills the context, `max_tokens`
 beyond what the context leaves, `n`/`logprobs`/stop limits, unsupported options, and the range
-checks of `SamplingParams` (its ValueError messages, reused as they are).
+checks of `SamplingParams` (its `InvalidRequestError`: the message as it is, the field from its
+`param`). No message includes the client's value; numbers the server computed (context
+lengths, token counts) are fine.
+
+The output kind is chosen here too: a stream asks for `DELTA` outputs (each carries only what
+is new), a whole response for `FINAL_ONLY` (one output, at the end, with everything).
 
 Tokenization happens off the event loop (routes call these functions through a worker thread);
 the tokenizer is only read, never reconfigured, so that is safe beside the engine thread.
@@ -15,7 +20,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.server.config import ServerConfig
 from kvpool.server.errors import bad_request
 from kvpool.server.protocol import (
@@ -66,6 +72,7 @@ def completion_inputs(
             _max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "max_tokens",
                         default=DEFAULT_COMPLETION_MAX_TOKENS),
             request.logprobs,
+            "max_tokens",
         )
         for prompt in prompts
     ]
@@ -92,7 +99,8 @@ def chat_inputs(
         requested, param = request.max_tokens, "max_tokens"
     max_tokens = _max_tokens(requested, len(prompt.token_ids), max_model_len, param, default=None)
     logprobs = (num_top or 0) if request.logprobs else None
-    return EngineInputs([prompt], [_sampling_params(request, config, max_tokens, logprobs)])
+    params = _sampling_params(request, config, max_tokens, logprobs, param)
+    return EngineInputs([prompt], [params])
 
 
 # ------------------------------------------------------------------ prompts
@@ -165,8 +173,8 @@ def _max_tokens(
     if requested > room:
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens: the prompt has "
-            f"{num_prompt_tokens}, which leaves {room} for the completion, but {param} is "
-            f"{requested}",
+            f"{num_prompt_tokens}, which leaves {room} for the completion, and {param} asks "
+            f"for more",
             param,
             code="context_length_exceeded",
         )
@@ -175,8 +183,11 @@ def _max_tokens(
 
 # ------------------------------------------------------------------ sampling
 def _sampling_params(
-    request: SamplingFields, config: ServerConfig, max_tokens: int, logprobs: int | None
+    request: SamplingFields, config: ServerConfig, max_tokens: int, logprobs: int | None,
+    max_tokens_param: str,
 ) -> SamplingParams:
+    """The engine's parameters; `max_tokens_param` is the field the client gave the output
+    budget in (chat's `max_completion_tokens`, or `max_tokens`)."""
     if request.n > config.max_n:
         raise bad_request(f"n must be at most {config.max_n}", "n")
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
@@ -194,15 +205,13 @@ def _sampling_params(
         "repetition_penalty": request.repetition_penalty,
     }
     given = {name: value for name, value in options.items() if value is not None}
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(
             n=request.n, seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
-            stop=stops, ignore_eos=request.ignore_eos, logprobs=logprobs, **given,
+            stop=stops, ignore_eos=request.ignore_eos, logprobs=logprobs, output_kind=kind,
+            **given,
         )
-    except ValueError as error:
-        message = str(error)
-        param = message.split(" ", 1)[0]
-        raise bad_request(message, param if param in _PARAM_NAMES else None) from error
-
-
-_PARAM_NAMES = frozenset(SamplingFields.model_fields) | {"max_tokens", "logprobs"}
+    except InvalidRequestError as error:
+        param = max_tokens_param if error.param == "max_tokens" else error.param
+        raise bad_request(str(error), param) from error

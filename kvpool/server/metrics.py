@@ -130,8 +130,9 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        """Record a finished engine request's latencies."""
+    def observe_finished(self, output: RequestOutput, num_output_tokens: int) -> None:
+        """Record a finished engine request's latencies; `num_output_tokens` is its longest
+        completion's length (counted by the caller: a DELTA output holds only the last tokens)."""
         reason = output.outputs[0].finish_reason if output.outputs else None
         self.request_success.labels(self.model_name, reason or "abort").inc()
         times = output.metrics
@@ -143,7 +144,6 @@ class ServerMetrics:
         self.e2e_request_latency.labels(self.model_name).observe(
             times.finish_time - times.arrival_time
         )
-        num_output_tokens = max(len(completion.token_ids) for completion in output.outputs)
         if num_output_tokens > 1:
             self.time_per_output_token.labels(self.model_name).observe(
                 (times.finish_time - times.first_token_time) / (num_output_tokens - 1)

@@ -1,12 +1,20 @@
 """From engine outputs to OpenAI bodies: whole responses, and server-sent-event chunks.
 
-Engine outputs are cumulative (all text and tokens so far); a `StreamProgress` remembers, per
-choice, how much has been sent, so each chunk carries only the new text, the new tokens'
-logprobs and, once, the finish reason. The engine never takes text back (it holds back a
-possible stop-string prefix), so a delta is always a plain suffix.
+The server asks the engine for the outputs each body needs (`inputs.py` sets the output kind):
+a whole response is built from one `FINAL_ONLY` output per prompt, which carries everything; a
+stream gets `DELTA` outputs, each carrying only what is new, so a chunk is a delta passed on as
+it comes, never a diff of cumulative copies (which would cost O(tokens²) on a long generation).
+A chunk is sent only when a choice has something new: text, tokens (with their logprobs, when
+asked for), or its finish reason, which goes out once (a choice that finished before its
+siblings still appears, empty, in their later outputs). New tokens count even when their text
+is held back (a possible stop-string prefix, part of a UTF-8 character) or there is no
+tokenizer: a client sees one chunk per step, as with vLLM, and `kvpool bench serve` measures
+inter-token latency between chunks. The engine never takes text back, so the deltas
+concatenate to the whole text.
 
 Choice numbering follows OpenAI: with several prompts, prompt i's completion j is choice
-`i * n + j`.
+`i * n + j`. A stream's usage is counted from the deltas it saw (`Generation` sums them):
+no single output carries all of a stream's tokens.
 """
 
 from __future__ import annotations
@@ -40,15 +48,18 @@ def sse(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-def usage(outputs: list[RequestOutput]) -> Usage:
-    num_prompt = sum(len(output.prompt_token_ids) for output in outputs)
-    num_completion = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+def usage(finals: list[RequestOutput], num_completion_tokens: int | None = None) -> Usage:
+    """Usage of the prompts' final outputs; `num_completion_tokens` is counted by the caller
+    for a stream (whose final outputs are deltas), else taken from the outputs themselves."""
+    num_prompt = sum(len(output.prompt_token_ids) for output in finals)
+    if num_completion_tokens is None:
+        num_completion_tokens = sum(len(c.token_ids) for output in finals for c in output.outputs)
     return Usage(
         prompt_tokens=num_prompt,
-        completion_tokens=num_completion,
-        total_tokens=num_prompt + num_completion,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt + num_completion_tokens,
         prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=sum(output.num_cached_tokens for output in outputs)
+            cached_tokens=sum(output.num_cached_tokens for output in finals)
         ),
     )
 
@@ -65,14 +76,13 @@ def _ranked(entries: dict[int, Logprob], num_top: int) -> list[tuple[int, Logpro
 
 
 def completion_logprobs(
-    completion: CompletionOutput, start: int, end: int, num_top: int, text_offset: int
+    completion: CompletionOutput, num_top: int, text_offset: int
 ) -> CompletionLogprobs | None:
-    """Logprobs of tokens start..end-1, `text_offset` being where token `start` begins."""
+    """Logprobs of the completion's tokens, `text_offset` being where its first one begins."""
     if completion.logprobs is None:
         return None
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token_id, entries in zip(completion.token_ids[start:end], completion.logprobs[start:end],
-                                 strict=True):
+    for token_id, entries in zip(completion.token_ids, completion.logprobs, strict=True):
         token = _token_text(token_id, entries[token_id])
         result.tokens.append(token)
         result.token_logprobs.append(entries[token_id].logprob)
@@ -83,14 +93,11 @@ def completion_logprobs(
     return result
 
 
-def chat_logprobs(
-    completion: CompletionOutput, start: int, end: int, num_top: int
-) -> ChatLogprobs | None:
+def chat_logprobs(completion: CompletionOutput, num_top: int) -> ChatLogprobs | None:
     if completion.logprobs is None:
         return None
     content = []
-    for token_id, entries in zip(completion.token_ids[start:end], completion.logprobs[start:end],
-                                 strict=True):
+    for token_id, entries in zip(completion.token_ids, completion.logprobs, strict=True):
         token = _token_text(token_id, entries[token_id])
         top = [_top_logprob(_token_text(tid, entry), entry) for tid, entry in
                _ranked(entries, num_top)]
@@ -113,7 +120,7 @@ def completion_response(
         CompletionChoice(
             index=prompt_index * n + completion.index,
             text=completion.text,
-            logprobs=completion_logprobs(completion, 0, len(completion.token_ids), num_top, 0),
+            logprobs=completion_logprobs(completion, num_top, 0),
             finish_reason=completion.finish_reason,
         )
         for prompt_index, output in enumerate(outputs)
@@ -131,7 +138,7 @@ def chat_response(
         ChatChoice(
             index=completion.index,
             message=AssistantMessage(content=completion.text),
-            logprobs=chat_logprobs(completion, 0, len(completion.token_ids), num_top),
+            logprobs=chat_logprobs(completion, num_top),
             finish_reason=completion.finish_reason,
         )
         for completion in output.outputs
@@ -141,78 +148,63 @@ def chat_response(
 
 
 # ------------------------------------------------------------------ streams
-@dataclass(slots=True)
-class _ChoiceProgress:
-    num_chars: int = 0  # text sent
-    num_tokens: int = 0  # tokens whose logprobs were sent
-    is_finished: bool = False
-
-
-@dataclass(slots=True)
-class StreamProgress:
-    """What each choice of a stream has been sent so far."""
-
-    choices: dict[int, _ChoiceProgress] = field(default_factory=dict)
-
-    def advance(self, index: int, completion: CompletionOutput) -> tuple[str, int, int] | None:
-        """(new text, first new token, end) since the last call, or None if nothing is new."""
-        progress = self.choices.setdefault(index, _ChoiceProgress())
-        if progress.is_finished:
-            return None
-        text = completion.text[progress.num_chars:]
-        start, end = progress.num_tokens, len(completion.token_ids)
-        if not text and start == end and not completion.finished:
-            return None
-        progress.num_chars += len(text)
-        progress.num_tokens = end
-        progress.is_finished = completion.finished
-        return text, start, end
+def _new_deltas(
+    output: RequestOutput, first_index: int, finished: set[int]
+) -> list[tuple[int, CompletionOutput]]:
+    """(choice index, delta) for each completion of `output` with something new to send; marks
+    the finished ones, so that a finish reason goes out once."""
+    deltas = []
+    for completion in output.outputs:
+        index = first_index + completion.index
+        if index in finished:
+            continue
+        if not (completion.text or completion.token_ids or completion.finished):
+            continue
+        if completion.finished:
+            finished.add(index)
+        deltas.append((index, completion))
+    return deltas
 
 
 @dataclass(slots=True)
 class CompletionStreamer:
-    """SSE chunks for /v1/completions with `stream: true`."""
+    """SSE chunks for /v1/completions with `stream: true`, from DELTA outputs."""
 
     response_id: str
     created: int
     model: str
     n: int
     num_top: int
-    progress: StreamProgress = field(default_factory=StreamProgress)
-    text_offsets: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)  # choices whose finish reason was sent
+    text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> its next token's
 
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[str]:
         events = []
-        for completion in output.outputs:
-            index = prompt_index * self.n + completion.index
-            delta = self.progress.advance(index, completion)
-            if delta is None:
-                continue
-            text, start, end = delta
+        for index, completion in _new_deltas(output, prompt_index * self.n, self.finished):
             offset = self.text_offsets.get(index, 0)
-            logprobs = completion_logprobs(completion, start, end, self.num_top, offset)
+            logprobs = completion_logprobs(completion, self.num_top, offset)
             if logprobs is not None:
                 self.text_offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+            choice = CompletionChoice(index=index, text=completion.text, logprobs=logprobs,
                                       finish_reason=completion.finish_reason)
             events.append(sse(Completion(id=self.response_id, created=self.created,
                                          model=self.model, choices=[choice])))
         return events
 
-    def usage_chunk(self, outputs: list[RequestOutput]) -> str:
+    def usage_chunk(self, finals: list[RequestOutput], num_completion_tokens: int) -> str:
         return sse(Completion(id=self.response_id, created=self.created, model=self.model,
-                              choices=[], usage=usage(outputs)))
+                              choices=[], usage=usage(finals, num_completion_tokens)))
 
 
 @dataclass(slots=True)
 class ChatStreamer:
-    """SSE chunks for /v1/chat/completions with `stream: true`."""
+    """SSE chunks for /v1/chat/completions with `stream: true`, from DELTA outputs."""
 
     response_id: str
     created: int
     model: str
     num_top: int
-    progress: StreamProgress = field(default_factory=StreamProgress)
+    finished: set[int] = field(default_factory=set)  # choices whose finish reason was sent
 
     def role_chunks(self, n: int) -> list[str]:
         """The first chunk of every choice: the assistant role and empty content."""
@@ -220,25 +212,24 @@ class ChatStreamer:
                                                                           content="")))
                 for index in range(n)]
 
-    def chunks(self, output: RequestOutput) -> list[str]:
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        """Chunks for one output (a chat request has one prompt: `prompt_index` is 0)."""
         events = []
-        for completion in output.outputs:
-            delta = self.progress.advance(completion.index, completion)
-            if delta is None:
-                continue
-            text, start, end = delta
+        for index, completion in _new_deltas(output, prompt_index, self.finished):
+            text = completion.text
             choice = ChatChunkChoice(
-                index=completion.index,
+                index=index,
                 delta=ChatDelta(content=text) if text or not completion.finished else ChatDelta(),
-                logprobs=chat_logprobs(completion, start, end, self.num_top),
+                logprobs=chat_logprobs(completion, self.num_top),
                 finish_reason=completion.finish_reason,
             )
             events.append(self._chunk(choice))
         return events
 
-    def usage_chunk(self, output: RequestOutput) -> str:
+    def usage_chunk(self, finals: list[RequestOutput], num_completion_tokens: int) -> str:
         return sse(ChatCompletionChunk(id=self.response_id, created=self.created,
-                                       model=self.model, choices=[], usage=usage([output])))
+                                       model=self.model, choices=[],
+                                       usage=usage(finals, num_completion_tokens)))
 
     def _chunk(self, choice: ChatChunkChoice) -> str:
         return sse(ChatCompletionChunk(id=self.response_id, created=self.created,

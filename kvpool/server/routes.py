@@ -1,9 +1,11 @@
 """The HTTP endpoints: OpenAI's completions, chat completions and models, plus /health,
 /metrics and /v1/kv/stats.
 
-A generation route: check the model name, take a concurrency slot, build the engine inputs in a
-worker thread (tokenizing can take a while; the event loop must not wait for it), queue them,
-then either stream server-sent events or wait for the end while watching for a disconnect.
+A generation route: check the model name and the cache salt, take a concurrency slot, build the
+engine inputs in a worker thread (tokenizing can take a while; the event loop must not wait for
+it), take room for their sequences and queue them, then either stream server-sent events (from
+DELTA outputs) or wait for the end (one FINAL_ONLY output per prompt) while watching for a
+disconnect.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from kvpool.engine.async_engine import EngineClosedError, EngineError
+from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.outputs import RequestOutput
 from kvpool.server.auth import derive_cache_salt
 from kvpool.server.errors import OpenAIError, bad_request
@@ -104,7 +107,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     def stream_events(generation: Generation) -> AsyncIterator[str]:
         streamer = CompletionStreamer(response_id, created, model, body.n, num_top)
-        return _sse_events(generation, streamer.chunks, streamer.usage_chunk, _wants_usage(body))
+        return _sse_events(generation, streamer, _wants_usage(body))
 
     def respond(outputs: list[RequestOutput]) -> Completion:
         return completion_response(response_id, created, model, outputs, body.n, num_top)
@@ -122,12 +125,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
     def stream_events(generation: Generation) -> AsyncIterator[str]:
         streamer = ChatStreamer(response_id, created, model, num_top)
-        events = _sse_events(
-            generation,
-            lambda _index, output: streamer.chunks(output),
-            lambda outputs: streamer.usage_chunk(outputs[0]),
-            _wants_usage(body),
-        )
+        events = _sse_events(generation, streamer, _wants_usage(body))
         return _prefixed(streamer.role_chunks(body.n), events)
 
     def respond(outputs: list[RequestOutput]) -> ChatCompletion:
@@ -148,8 +146,8 @@ async def _generate(
 ) -> Response:
     try:
         cache_salt = derive_cache_salt(request.state.tenant, body.cache_salt)
-    except ValueError as error:
-        raise bad_request(str(error), "cache_salt") from error
+    except InvalidRequestError as error:
+        raise bad_request(str(error), error.param) from error
     generation = state.begin()
     is_streaming = False
     try:
@@ -179,20 +177,15 @@ async def _generate(
 
 
 async def _sse_events(
-    generation: Generation,
-    chunks: Callable[[int, RequestOutput], list[str]],
-    usage_chunk: Callable[[list[RequestOutput]], str],
-    include_usage: bool,
+    generation: Generation, streamer: CompletionStreamer | ChatStreamer, include_usage: bool
 ) -> AsyncIterator[str]:
-    finals: dict[int, RequestOutput] = {}
     try:
         async for index, output in generation.outputs():
-            for event in chunks(index, output):
+            for event in streamer.chunks(index, output):
                 yield event
-            if output.finished:
-                finals[index] = output
         if include_usage:
-            yield usage_chunk([finals[index] for index in sorted(finals)])
+            yield streamer.usage_chunk(generation.final_outputs(),
+                                       generation.num_completion_tokens)
     except (EngineError, EngineClosedError) as error:
         yield f"data: {json.dumps(_engine_failure(error).body())}\n\n"
     finally:

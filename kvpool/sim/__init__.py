@@ -1,9 +1,10 @@
 """The allocation simulator: replay request traces through KV allocation strategies.
 
 No model runs: a strategy only decides where each token's KV would live, so contiguous
-reservations (on the real `Arena`) and paged blocks (on the real `BlockPool`) can be compared
-on the same budget and trace: `kvpool.sim.simulate.simulate(trace, strategy, config)`.
-`kvpool simulate` is the command line (kvpool/sim/cli.py).
+reservations (on the engine's `Arena`, or on `SizeClassArena`, which adds size classes and
+compaction) and paged blocks (on the real `BlockPool`) can be compared on the same budget and
+trace: `kvpool.sim.simulate.simulate(trace, strategy, config)`.
+`kvpool simulate` is the command line (kvpool/cli/simulate.py).
 """
 
 from kvpool.sim.model_shape import KV_SHAPES, KVShape, kv_shape

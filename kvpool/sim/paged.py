@@ -13,14 +13,19 @@ would differ: group g's shared prefix is `g * 2**16 + i`, the rest of request r'
 `2**30 + r`, and sample s of request r generates `2**31 + r * 64 + s`.
 
 Admission and growth are all-or-nothing: the exact number of blocks needed is computed first
-(`_num_blocks_to_admit`, `_num_blocks_to_grow`) and compared with what the pool can give.
+(`_num_blocks_to_admit`, `_num_blocks_to_grow`) and compared with what the pool can give. The
+first table of a request is sized with the engine's own admission arithmetic
+(`BlockPool.match_prefix` + `BlockPool.num_blocks_to_admit`), and the match found while sizing
+is the one the table takes.
 """
 
 from __future__ import annotations
 
-from kvpool.memory.block_pool import BlockPool, OutOfBlocksError
-from kvpool.memory.block_table import BlockTable, cdiv
-from kvpool.memory.prefix_cache import BlockHash, hash_full_blocks
+from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.block_table import BlockTable
+from kvpool.memory.errors import OutOfBlocksError
+from kvpool.memory.kv_layout import KVLayout, cdiv
+from kvpool.memory.prefix_cache import BlockHash, PrefixMatch, hash_full_blocks
 from kvpool.sim.strategies import MemorySnapshot, SimConfig
 from kvpool.sim.trace import Request
 
@@ -52,17 +57,20 @@ class PagedStrategy:
         num_blocks = config.budget_bytes // self._block_nbytes
         if num_blocks < 1:
             raise ValueError(f"the budget does not hold one block of {block_size} tokens")
-        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=share_prefix)
+        self.pool = BlockPool(num_blocks, KVLayout(block_size), enable_prefix_caching=share_prefix)
         self._tables: dict[int, list[BlockTable]] = {}
         self._prompt_hashes: dict[int, list[BlockHash]] = {}
 
     # --------------------------------------------------------------- admission
     def try_admit(self, request: Request, num_generated: int) -> bool:
-        if self._num_blocks_to_admit(request, num_generated) > self.pool.num_allocatable_blocks:
+        prompt = prompt_token_ids(request)
+        match = self._match(request, prompt)
+        needed = self._num_blocks_to_admit(request, num_generated, match)
+        if needed > self.pool.num_allocatable_blocks:
             return False
         tables: list[BlockTable] = []
         try:
-            self._build_tables(request, num_generated, tables)
+            self._build_tables(request, prompt, match, num_generated, tables)
         except OutOfBlocksError:  # a rare prefix-cache corner the count did not foresee
             for table in tables:
                 table.free()
@@ -71,27 +79,30 @@ class PagedStrategy:
         self._prompt_hashes.pop(request.request_id, None)
         return True
 
-    def _build_tables(self, request: Request, num_generated: int,
-                      tables: list[BlockTable]) -> None:
-        num_samples = self.config.num_samples
-        prompt = prompt_token_ids(request)
-        for sample in range(num_samples):
+    def _build_tables(self, request: Request, prompt: list[int], match: PrefixMatch,
+                      num_generated: int, tables: list[BlockTable]) -> None:
+        for sample in range(self.config.num_samples):
             if self.fork_samples and sample > 0:
                 tables.append(tables[0].fork())
-            else:
-                tables.append(self._prompt_table(request, prompt))
+            else:  # later samples look their prompt up again: the first one's blocks hit
+                match = match if sample == 0 else self._match(request, prompt)
+                tables.append(self._prompt_table(request, prompt, match))
         if num_generated:
             for sample, table in enumerate(tables):
                 tokens = [generated_token_id(request, sample)] * num_generated
                 table.append_tokens(tokens, computed=self.share_prefix)
 
-    def _prompt_table(self, request: Request, prompt: list[int]) -> BlockTable:
+    def _prompt_table(self, request: Request, prompt: list[int], match: PrefixMatch) -> BlockTable:
         table = BlockTable(self.pool)
-        num_cached = 0
-        if self.share_prefix:
-            num_cached = table.take_cached_prefix(prompt, self._hashes(request, prompt))
+        hashes = self._hashes(request, prompt) if self.share_prefix else []
+        num_cached = table.take_prefix(match, prompt, hashes)
         table.append_tokens(prompt[num_cached:], computed=self.share_prefix)
         return table
+
+    def _match(self, request: Request, prompt: list[int]) -> PrefixMatch:
+        """The cached prefix of the prompt (none when prefix sharing is off)."""
+        hashes = self._hashes(request, prompt) if self.share_prefix else []
+        return self.pool.match_prefix(hashes, prompt)
 
     def _hashes(self, request: Request, prompt: list[int]) -> list[BlockHash]:
         # A head-of-line request is asked every step until it fits: hash its prompt once.
@@ -101,18 +112,12 @@ class PagedStrategy:
             self._prompt_hashes[request.request_id] = hashes
         return hashes
 
-    def _num_blocks_to_admit(self, request: Request, num_generated: int) -> int:
+    def _num_blocks_to_admit(self, request: Request, num_generated: int,
+                             match: PrefixMatch) -> int:
         size, num_samples = self.block_size, self.config.num_samples
         num_prompt, num_tokens = request.prompt_len, request.prompt_len + num_generated
-        num_hits = num_revived = 0
-        if self.share_prefix:
-            prompt = prompt_token_ids(request)
-            hit_ids = self.pool.match_prefix(self._hashes(request, prompt), prompt)
-            num_hits = len(hit_ids)
-            # A cached block nobody holds counts as allocatable until it is revived.
-            num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in hit_ids)
-        first = cdiv(num_tokens if not self.fork_samples else num_prompt, size)
-        first += num_revived - num_hits
+        first = self.pool.num_blocks_to_admit(match, num_prompt if self.fork_samples else
+                                              num_tokens)
         if self.fork_samples:
             # Every sample appends its generated tokens; all but the last holder of a shared,
             # partly filled prompt block copy it first.

@@ -23,6 +23,7 @@ _COLUMNS = (
     ("mean", 6, lambda r: f"{r.mean_concurrency:.1f}"),
     ("steps", 7, lambda r: str(r.steps)),
     ("preempt", 7, lambda r: str(r.num_preemptions)),
+    ("moved GiB", 9, lambda r: f"{r.num_bytes_moved / (1 << 30):.1f}"),
 )
 _COMPOSITION = (
     ("token states", "token_state_fraction", "#2a9d8f"),
@@ -34,7 +35,8 @@ _COMPOSITION = (
 
 def format_table(results: Sequence[SimResult]) -> str:
     """One row per strategy; memory columns are fractions of the budget (memory-bound steps),
-    peak/mean are concurrent sequences, steps is the makespan."""
+    peak/mean are concurrent sequences, steps is the makespan, moved is the KV that
+    compactions copied (contiguous-exact-compact; 0 for strategies that never move data)."""
     header = "  ".join(f"{name:<{width}}" if index == 0 else f"{name:>{width}}"
                        for index, (name, width, _) in enumerate(_COLUMNS))
     lines = [header, "-" * len(header)]

@@ -16,7 +16,9 @@ A request with output length O is admitted at step a and finishes at step a + O,
 prompt + O tokens at the end. Memory fractions are averaged over the *memory-bound* steps
 (a request was left waiting for memory), where how well memory is used decides how many
 sequences run; over all steps if no step was memory-bound (`token_state_fraction_all_steps`
-always covers every step). Concurrency is averaged over all steps.
+always covers every step). Concurrency is averaged over all steps. Strategies whose arena
+caches or compacts add what it did over the run (`ArenaActivity`: cache hits, compactions,
+bytes moved); the others report zeros.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvpool.sim.strategies import SimConfig, Strategy
+from kvpool.sim.strategies import ArenaActivity, ReportsArenaActivity, SimConfig, Strategy
 from kvpool.sim.trace import Request
 
 
@@ -54,6 +56,9 @@ class SimResult:
     num_memory_bound_steps: int
     token_state_fraction_all_steps: float  # the same, averaged over every step
     concurrency: list[int] = field(repr=False)  # per step
+    num_cache_hits: int = 0  # size-class cache hits (contiguous-classes)
+    num_compactions: int = 0  # arena compactions (contiguous-exact-compact)
+    num_bytes_moved: int = 0  # KV bytes those compactions copied
 
     def to_json(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__ if name != "concurrency"}
@@ -157,6 +162,8 @@ def _result(strategy: Strategy, config: SimConfig, meter: _Meter, steps: int,
     num_steps, *byte_sums, fragmentation_sum = sums
     scale = num_steps * config.budget_bytes
     token_states, reservation, internal, free = (value / scale for value in byte_sums)
+    activity = (strategy.arena_activity() if isinstance(strategy, ReportsArenaActivity)
+                else ArenaActivity())
     return SimResult(
         strategy=strategy.name,
         block_size=strategy.block_size,
@@ -172,4 +179,7 @@ def _result(strategy: Strategy, config: SimConfig, meter: _Meter, steps: int,
         num_memory_bound_steps=num_bound_steps,
         token_state_fraction_all_steps=meter.all_sums[1] / (steps * config.budget_bytes),
         concurrency=meter.concurrency,
+        num_cache_hits=activity.num_cache_hits,
+        num_compactions=activity.num_compactions,
+        num_bytes_moved=activity.num_bytes_moved,
     )

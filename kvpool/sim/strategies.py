@@ -7,7 +7,12 @@ a sequence holds:
     contiguous-max      one range of max_seq_len tokens per sequence (static KV caches)
     contiguous-pow2     one range of the final length rounded up to a power of two
     contiguous-exact-*  one range of exactly the final length (Orca-like, needs an oracle),
-                        placed first / best / worst fit on the real `Arena`
+                        placed first / best / worst fit on the engine's `Arena`
+    contiguous-classes  the exact length rounded up to a size class (256 KiB, 1 MiB, 4 MiB,
+                        16 MiB, then 2 MiB granules), freed ranges reused from class caches
+    contiguous-exact-compact
+                        exact ranges; an admission that fails on fragmentation compacts the
+                        arena first (moving running sequences' KV; the bytes moved are counted)
     paged-B             blocks of B tokens taken as the sequence grows (the real `BlockPool`
                         and `BlockTable`)
     paged-B+prefix      ... and full blocks of a shared system prompt reused across requests
@@ -20,21 +25,24 @@ Memory is split four ways, always summing to the budget:
     internal       reserved but never to hold a token: past the final length, unfilled slots of
                    a sequence's last block, rounding
     free           held by no running sequence
+
+Strategies over the simulator's `SizeClassArena` also report `ArenaActivity` (class-cache
+hits, compactions, bytes moved); `simulate` asks for it where `ReportsArenaActivity` holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from kvpool.memory.arena_free_list import PlacementPolicy
+from kvpool.memory.arena import BASE_ALIGNMENT, PlacementPolicy
 from kvpool.sim.model_shape import KVShape
 from kvpool.sim.trace import Request
 
 DEFAULT_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 SHARING_BLOCK_SIZE = 16  # vLLM's default block size
-ALIGNMENT = 256  # the arena's base alignment; budgets are whole multiples of it
+ALIGNMENT = BASE_ALIGNMENT  # budgets are whole multiples of the arena's base alignment
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +79,22 @@ class MemorySnapshot:
     external_fragmentation: float  # 1 - largest free range / free; 0 when any free byte serves
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaActivity:
+    """What an arena that caches and compacts did over a run."""
+
+    num_cache_hits: int = 0  # allocations served from a size-class cache
+    num_compactions: int = 0
+    num_bytes_moved: int = 0  # KV bytes copied by compactions
+
+
+@runtime_checkable
+class ReportsArenaActivity(Protocol):
+    """A strategy whose arena caches or moves ranges (the others report nothing)."""
+
+    def arena_activity(self) -> ArenaActivity: ...
+
+
 class Strategy(Protocol):
     """What `simulate` needs from an allocation strategy."""
 
@@ -94,10 +118,13 @@ class Strategy(Protocol):
 
 def build_strategies(config: SimConfig, trace: Sequence[Request],
                      block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES) -> list[Strategy]:
-    """The roster: contiguous baselines, paged per block size, and the sharing variants that
-    have something to share on this trace (prefix groups present, or more than one sample)."""
+    """The roster: contiguous baselines (with size classes and with compaction), paged per
+    block size, and the sharing variants that have something to share on this trace (prefix
+    groups present, or more than one sample)."""
     from kvpool.sim.contiguous import (
+        CompactingStrategy,
         ContiguousStrategy,
+        SizeClassStrategy,
         reserve_exact,
         reserve_max,
         reserve_pow2,
@@ -111,6 +138,10 @@ def build_strategies(config: SimConfig, trace: Sequence[Request],
     strategies += [ContiguousStrategy(config, f"contiguous-exact-{policy.value}", reserve_exact,
                                       policy)
                    for policy in PlacementPolicy]
+    strategies += [
+        SizeClassStrategy(config, "contiguous-classes", reserve_exact),
+        CompactingStrategy(config, "contiguous-exact-compact", reserve_exact),
+    ]
     strategies += [PagedStrategy(config, block_size) for block_size in block_sizes]
     if any(request.prefix_group is not None for request in trace):
         strategies.append(PagedStrategy(config, SHARING_BLOCK_SIZE, share_prefix=True))

@@ -16,6 +16,7 @@ from kvpool.attention.cpu_backend import CpuAttentionBackend
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend, plan_decode_groups
 from kvpool.memory.kv_cache import write_kv
+from kvpool.memory.kv_layout import KVLayout
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
@@ -74,7 +75,7 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch")
         seq_lens=[cached + new for cached, new in seq_shapes],
         block_tables=tables,
         slot_mapping=slots,
-        block_size=block_size,
+        layout=KVLayout(block_size),
     )
     out = BACKENDS[backend]().forward(
         torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_layer, metadata, scale
@@ -118,7 +119,7 @@ def test_metadata_counts_leading_decodes():
         seq_lens=[3, 9, 4, 2],
         block_tables=[[0], [1, 2], [3], [4]],
         slot_mapping=[2, 12, 24, 25, 26, 27, 33],
-        block_size=8,
+        layout=KVLayout(8),
     )
     assert metadata.num_decode_seqs == 2
     assert metadata.query_start_loc.tolist() == [0, 1, 2, 6, 7]
@@ -128,9 +129,9 @@ def test_metadata_counts_leading_decodes():
 
 def test_metadata_rejects_inconsistent_input():
     with pytest.raises(ValueError, match="query_len <= seq_len"):
-        AttentionMetadata.build([3], [2], [[0]], [0, 1, 2], block_size=4)
+        AttentionMetadata.build([3], [2], [[0]], [0, 1, 2], layout=KVLayout(4))
     with pytest.raises(ValueError, match="one slot per new token"):
-        AttentionMetadata.build([2], [2], [[0]], [0], block_size=4)
+        AttentionMetadata.build([2], [2], [[0]], [0], layout=KVLayout(4))
 
 
 def test_decodes_of_very_different_lengths_are_grouped_and_still_exact():
@@ -142,7 +143,7 @@ def test_decodes_of_very_different_lengths_are_grouped_and_still_exact():
         seq_lens=[cached + 1 for cached, _ in shapes],
         block_tables=[list(range(-(-(cached + 1) // 8))) for cached, _ in shapes],
         slot_mapping=[0] * len(shapes),
-        block_size=8,
+        layout=KVLayout(8),
     )
     groups = plan_decode_groups(metadata)
     assert len(groups) > 1

@@ -18,6 +18,7 @@ import random
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ import kvpool.attention
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend
 from kvpool.memory.kv_cache import write_kv as torch_write_kv
+from kvpool.memory.kv_layout import KVLayout
 
 KERNEL_MODULES = ("triton_decode", "triton_prefill", "triton_kv", "triton_backend")
 IS_INTERPRETED = not torch.cuda.is_available()
@@ -130,7 +132,7 @@ def make_batch(
         seq_lens=[cached + new for cached, new in seq_shapes],
         block_tables=tables,
         slot_mapping=slots,
-        block_size=block_size,
+        layout=KVLayout(block_size),
         device=device,
     )
     return Batch(
@@ -410,7 +412,7 @@ def test_backend_over_a_layer_of_the_whole_cache():
 
 
 def test_backend_with_an_empty_batch():
-    metadata = AttentionMetadata.build([], [], [], [], block_size=8)
+    metadata = AttentionMetadata.build([], [], [], [], layout=KVLayout(8))
     cache = torch.randn(2, 2, 8, 1, 16, device=DEVICE)
     empty_q, empty_kv = torch.empty(0, 2, 16, device=DEVICE), torch.empty(0, 1, 16, device=DEVICE)
     out = triton_backend.TritonAttentionBackend().forward(
@@ -421,9 +423,10 @@ def test_backend_with_an_empty_batch():
 
 # ---------------------------------------------------------------- compiled for a real GPU
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPILE_SCRIPT = """
 import dataclasses, json, sys
-from kvpool.attention.triton_compile import compile_all
+from tests.attention.triton_compile import compile_all
 builds = compile_all(*json.loads(sys.argv[1]))
 print(json.dumps([dataclasses.asdict(build) for build in builds]))
 """
@@ -434,7 +437,8 @@ print(json.dumps([dataclasses.asdict(build) for build in builds]))
     [("bfloat16", 128, 4, 16), ("float16", 64, 8, 32)],
 )
 def test_kernels_compile_for_sm90_without_spills(dtype, head_dim, group_size, block_size):
-    # A fresh process: this one imported triton in interpreter mode.
+    # A fresh process: this one imported triton in interpreter mode. It runs from the
+    # repository root, so `tests.attention.triton_compile` imports.
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     args = json.dumps([dtype, head_dim, group_size, block_size, 90])
     result = subprocess.run(
@@ -442,6 +446,7 @@ def test_kernels_compile_for_sm90_without_spills(dtype, head_dim, group_size, bl
         capture_output=True,
         text=True,
         env=env,
+        cwd=REPO_ROOT,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

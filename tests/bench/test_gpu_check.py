@@ -110,6 +110,8 @@ def test_engine_and_transformers_smoke_runs_agree(tmp_path):
     assert engine["bound_ms"] > 0 and engine["weight_bytes_per_step"] > 0
     assert len(engine["first_request_token_ids"]) == engine["workload"]["output_len"]
     assert engine["first_request_token_ids"] == hf["first_request_token_ids"]
+    # Sampled decoding (seeded, n=2, top-k/top-p/min-p, penalties) runs on the engine's device.
+    assert engine["sampled"]["passed"] and engine["sampled"]["num_sequences"] == 2 * 3
 
 
 def test_attention_smoke_run_in_the_interpreter(tmp_path):

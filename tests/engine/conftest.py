@@ -56,7 +56,7 @@ def make_engine(smollm2) -> Iterator[Callable[..., LLMEngine]]:
     for engine in engines:
         stats = engine.memory_stats()
         assert stats.num_used_blocks == 0, f"{stats.num_used_blocks} blocks leaked"
-        engine.pool.check_invariants()
+        engine.check_invariants()
 
 
 def run_all(engine: LLMEngine, prompts, params=GREEDY) -> list[RequestOutput]:

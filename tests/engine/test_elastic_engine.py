@@ -7,11 +7,8 @@ mid-run, and the outputs are compared with a static pool's.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from kvpool.engine.args import add_engine_args, engine_config_from_args
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
 from tests.engine.conftest import PROMPTS, run_all, token_ids
@@ -62,7 +59,7 @@ def test_greedy_outputs_match_static_while_the_pool_grows_migrates_and_shrinks(
     assert stats.num_segments == stats.num_grows - stats.num_shrinks
     assert max(online) > online[-1], "the pool gave memory back before the run ended"
     assert engine.stats().num_preemptions == 0, "it grew instead of preempting"
-    engine.kv_pool.check_invariants()
+    engine.kv_memory.check_invariants()
 
 
 def test_a_spent_budget_still_preempts_and_keeps_outputs(make_engine, static_reference):
@@ -71,7 +68,7 @@ def test_a_spent_budget_still_preempts_and_keeps_outputs(make_engine, static_ref
     assert token_ids(run_all(engine, ELASTIC_PROMPTS, ELASTIC_PARAMS)) == static_reference
     assert engine.kv_pool_stats().max_num_blocks == 20
     assert engine.stats().num_preemptions > 0
-    engine.kv_pool.check_invariants()
+    engine.kv_memory.check_invariants()
 
 
 @pytest.mark.parametrize("options", [{}, ELASTIC], ids=["static", "elastic-lazy"])
@@ -86,7 +83,7 @@ def test_warmup_leaves_a_pristine_pool_and_zero_counters(make_engine, options):
     memory = engine.memory_stats()
     assert (memory.num_used_blocks, memory.num_cached_blocks, memory.num_allocations) == (0, 0, 0)
     assert (memory.num_frees, memory.prefix_cache_queries_tokens, memory.num_evictions) == (0, 0, 0)
-    assert engine.pool.free_block_ids() == engine.pool.online_block_ids()
+    assert engine.kv_memory.pool.free_block_ids() == engine.kv_memory.pool.online_block_ids()
     kv = engine.kv_pool_stats()
     assert (kv.num_grows, kv.num_shrinks, kv.num_migrated_blocks) == (0, 0, 0)
     assert kv.num_online_blocks == (0 if options else 32)
@@ -106,15 +103,3 @@ def test_static_pool_rejects_elastic_options():
         EngineConfig(kv_pool="dynamic")
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig(kv_pool="elastic", kv_pool_segment_blocks=0)
-
-
-def test_kv_pool_flags_reach_the_config():
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    args = parser.parse_args(["--kv-pool", "elastic", "--kv-pool-initial-blocks", "0",
-                              "--kv-pool-segment-blocks", "32", "--kv-pool-idle-seconds", "2.5",
-                              "--no-enable-warmup"])
-    config = engine_config_from_args(args)
-    assert (config.kv_pool, config.kv_pool_initial_blocks, config.kv_pool_segment_blocks,
-            config.kv_pool_idle_seconds, config.enable_warmup) == ("elastic", 0, 32, 2.5, False)
-    assert engine_config_from_args(parser.parse_args([])).kv_pool == "static"

@@ -4,40 +4,50 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from kvpool.engine.kv_manager import KVCacheManager
+from kvpool.engine.sampler import SamplerOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
-from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_memory import KVMemory
+from kvpool.memory.prefix_cache import NO_SALT, hash_full_blocks
 
 BLOCK_SIZE = 4
 _ids = itertools.count()
 
 
+class NeverStop:
+    def on_token(self, seq, token_id, logprobs):
+        return None
+
+
 def make_scheduler(num_blocks=8, watermark_blocks=0, **options) -> Scheduler:
-    kv = KVCacheManager(BlockPool(num_blocks, BLOCK_SIZE), watermark_blocks)
-    return Scheduler(SchedulerConfig(**options), kv)
+    memory = KVMemory(KVLayout(BLOCK_SIZE), num_blocks, watermark=watermark_blocks / num_blocks)
+    assert memory.watermark_blocks == watermark_blocks
+    return Scheduler(SchedulerConfig(**options), KVCacheManager(memory), NeverStop())
 
 
 def add(
-    scheduler: Scheduler, num_prompt_tokens: int, priority=0, arrival=None, first=0
+    scheduler: Scheduler, num_prompt_tokens: int, priority=0, arrival=None, first=0,
+    params=None,
 ) -> Sequence:
-    seq_id = next(_ids)
+    request_id = next(_ids)
     prompt = list(range(first, first + num_prompt_tokens))
-    request = Request(str(seq_id), None, prompt, SamplingParams(), arrival or seq_id, priority)
-    seq = Sequence(seq_id, request, 0, scheduler.kv.new_block_table(None))
-    request.sequences.append(seq)
-    scheduler.add(seq)
-    return seq
+    params = params or SamplingParams()
+    request = Request(str(request_id), None, prompt, params, arrival or request_id, NO_SALT,
+                      (None,) * params.n, priority)
+    return scheduler.add_request(request, hash_full_blocks(prompt, BLOCK_SIZE))
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7):
-    """schedule → pretend the model ran → append a token to every completed sequence."""
+    """schedule → pretend the model and sampler ran (every row samples `next_token`) →
+    update."""
     output = scheduler.schedule()
-    scheduler.mark_computed(output)
-    for chunk in output.chunks:
-        if chunk.completes_sequence:
-            chunk.seq.output_token_ids.append(next_token)
+    num_rows = sum(chunk.num_samples for chunk in output.chunks)
+    scheduler.update(output, SamplerOutput([next_token] * num_rows, [None] * num_rows))
     return output
 
 
@@ -121,8 +131,8 @@ def test_preemption_picks_the_latest_arrival_and_requeues_it_first():
     # is itself now the latest running: it preempts itself rather than an older sequence.
     assert step.preempted == [later, young]
     assert [c.seq for c in step.chunks] == [old]
-    assert later.status is SequenceStatus.PREEMPTED and later.num_computed_tokens == 0
-    assert scheduler.waiting == [young, later] and scheduler.num_preemptions == 2
+    assert later.status is SequenceStatus.WAITING and later.num_computed_tokens == 0
+    assert list(scheduler.waiting) == [young, later] and scheduler.num_preemptions == 2
     assert scheduler.num_recomputed_tokens == 4 + 1
 
 
@@ -155,3 +165,95 @@ def test_prefix_hit_is_reported_and_not_recomputed():
     step = run_step(scheduler)
     assert again.request.num_cached_tokens == 8
     assert [(c.num_computed_tokens, c.num_new_tokens) for c in step.chunks] == [(8, 1)]
+
+
+def test_a_request_to_fork_takes_its_n_seats_at_admission():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=4)
+    forked = add(scheduler, 2, params=SamplingParams(n=3))
+    single = add(scheduler, 2)
+    late = add(scheduler, 2)
+    run_step(scheduler)  # the n=3 prompt completes and forks: 3 seats, then 1 more
+    assert late.status is SequenceStatus.WAITING
+    assert len(scheduler.running) == 4 == len(forked.request.sequences) + 1
+    assert single.status is SequenceStatus.RUNNING
+    for _ in range(3):
+        run_step(scheduler)
+        assert len(scheduler.running) <= 4
+
+
+def test_roll_back_requeues_a_failed_step_without_its_reservations():
+    scheduler = make_scheduler(num_blocks=8)
+    decoding = add(scheduler, 5)
+    run_step(scheduler)
+    fresh = add(scheduler, 6, first=50)
+    batch = scheduler.schedule()
+    assert [chunk.seq for chunk in batch.chunks] == [decoding, fresh]
+    scheduler.roll_back(batch)  # the model raised: nothing of this step happened
+    scheduler.check_invariants([decoding, fresh])
+    assert list(scheduler.waiting) == [decoding, fresh]
+    assert scheduler.kv.pool.num_used_blocks == 0
+    run_step(scheduler)  # both recompute from their cached full blocks at most
+    scheduler.check_invariants([decoding, fresh])
+    assert decoding.output_token_ids == [7, 7] and fresh.output_token_ids == [7]
+
+
+def test_aborting_waiting_sequences_is_lazy_and_keeps_counts():
+    scheduler = make_scheduler(num_blocks=4, max_num_seqs=1)
+    running = add(scheduler, 2)
+    run_step(scheduler)
+    waiting = [add(scheduler, 2, first=10 + i) for i in range(1000)]
+    assert scheduler.request_counts() == (1, 1000)
+    for seq in waiting[:-1]:
+        scheduler.finish(seq, FinishReason.ABORT)
+    assert len(scheduler.waiting) == 1 and scheduler.request_counts() == (1, 1)
+    scheduler.finish(running, FinishReason.STOP)
+    run_step(scheduler)
+    assert waiting[-1].status is SequenceStatus.RUNNING and len(scheduler.waiting) == 0
+    assert scheduler.request_counts() == (1, 0)
+
+
+class _CountingHashlib:
+    def __init__(self, hashlib) -> None:
+        self.hashlib = hashlib
+        self.num_sha256 = 0
+
+    def sha256(self, *args):
+        self.num_sha256 += 1
+        return self.hashlib.sha256(*args)
+
+
+def test_a_prompt_is_hashed_once_however_long_it_waits(monkeypatch):
+    from kvpool.memory import prefix_cache
+
+    counting = _CountingHashlib(prefix_cache.hashlib)
+    monkeypatch.setattr(prefix_cache, "hashlib", counting)
+    scheduler = make_scheduler(num_blocks=5)
+    hog = add(scheduler, 15)  # 4 blocks, then 5: the blocked prompt's 3 never fit beside it
+    run_step(scheduler)  # its 3 full prompt blocks, and the 4th its first output fills
+    assert counting.num_sha256 == 3 + 1
+    blocked = add(scheduler, 9, first=100)  # 2 full blocks
+    assert counting.num_sha256 == 4 + 2
+    for _ in range(3):
+        run_step(scheduler)  # planned (and refused) at the head of the queue every step
+        assert blocked.status is SequenceStatus.WAITING
+    assert counting.num_sha256 == 6
+    scheduler.finish(hog, FinishReason.STOP)
+    run_step(scheduler)  # admitted, computed, published: with the hashes it already had
+    assert blocked.status is SequenceStatus.RUNNING and counting.num_sha256 == 6
+    assert blocked.block_table.num_hashed_blocks == 2
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_planned_prefix_match_is_the_one_admission_takes(chunked):
+    scheduler = make_scheduler(num_blocks=8, enable_chunked_prefill=chunked,
+                               max_num_batched_tokens=64)
+    first = add(scheduler, 9, first=300)
+    run_step(scheduler)
+    first_blocks = list(first.block_table.block_ids)
+    scheduler.finish(first, FinishReason.STOP)
+    again = add(scheduler, 13, first=300)
+    plan = scheduler.kv.plan_admission(again, 64, allow_partial=chunked, keep_watermark=False)
+    assert plan is not None and plan.prefix.block_ids == first_blocks[:2]
+    assert plan.num_cached_tokens == 8 and plan.prefix.num_evictable == 2
+    run_step(scheduler)
+    assert again.block_table.block_ids[:2] == first_blocks[:2]

@@ -1,11 +1,21 @@
-"""BlockPool on tiny pools: exact ids, reference counts, LIFO reuse, LRU eviction, errors."""
+"""BlockPool on tiny pools: exact ids, reference counts, LIFO reuse, LRU eviction, errors.
+
+Id 0 is the null block, so a new pool of n blocks hands out 1 .. n.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from kvpool.memory.block_pool import BlockPool, InvalidBlockError, OutOfBlocksError
+from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool
+from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
+from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.prefix_cache import hash_full_blocks
+
+
+def make_pool(num_blocks: int, block_size: int, **options) -> BlockPool:
+    return BlockPool(num_blocks, KVLayout(block_size), **options)
 
 
 def publish_full_block(pool: BlockPool, block_id: int, tokens: list[int]) -> bytes:
@@ -14,25 +24,39 @@ def publish_full_block(pool: BlockPool, block_id: int, tokens: list[int]) -> byt
     return block_hash
 
 
+def take(pool: BlockPool, hashes: list[bytes], tokens: list[int]) -> list[int]:
+    return pool.take_prefix(pool.match_prefix(hashes, tokens))
+
+
 def test_new_pool_hands_out_ids_in_order_with_ref_count_one():
-    pool = BlockPool(num_blocks=8, block_size=4)
-    assert pool.allocate(3) == [0, 1, 2]
-    assert [pool.ref_count(i) for i in range(4)] == [1, 1, 1, 0]
+    pool = make_pool(8, 4)
+    assert pool.allocate(3) == [1, 2, 3]
+    assert [pool.ref_count(i) for i in range(1, 5)] == [1, 1, 1, 0]
     assert (pool.num_free_blocks, pool.num_used_blocks, pool.num_cached_blocks) == (5, 3, 0)
 
 
+def test_the_null_block_is_never_handed_out_nor_accepted():
+    pool = make_pool(2, 4)
+    assert sorted(pool.allocate(2)) == [1, 2] and pool.num_allocatable_blocks == 0
+    for call in (pool.free, pool.retain):
+        with pytest.raises(InvalidBlockError, match="null block"):
+            call([NULL_BLOCK_ID])
+    assert not pool.is_online(NULL_BLOCK_ID) and pool.capacity_blocks == 3
+    pool.check_invariants()
+
+
 def test_fresh_blocks_are_reused_last_in_first_out():
-    pool = BlockPool(num_blocks=8, block_size=4)
-    pool.allocate(4)  # 0 1 2 3
+    pool = make_pool(8, 4)
+    pool.allocate(4)  # 1 2 3 4
+    pool.free([2])
+    pool.free([4])
     pool.free([1])
-    pool.free([3])
-    pool.free([0])
-    assert pool.free_block_ids()[:3] == [0, 3, 1]
-    assert pool.allocate(3) == [0, 3, 1]
+    assert pool.free_block_ids()[:3] == [1, 4, 2]
+    assert pool.allocate(3) == [1, 4, 2]
 
 
 def test_allocate_is_all_or_nothing():
-    pool = BlockPool(num_blocks=8, block_size=4)
+    pool = make_pool(8, 4)
     pool.allocate(6)
     before = pool.stats()
     with pytest.raises(OutOfBlocksError) as info:
@@ -44,7 +68,7 @@ def test_allocate_is_all_or_nothing():
 
 
 def test_freeing_a_shared_block_twice_in_one_call_releases_it_once():
-    pool = BlockPool(num_blocks=4, block_size=4)
+    pool = make_pool(4, 4)
     (block,) = pool.allocate(1)
     pool.retain([block])
     pool.free([block, block])
@@ -53,7 +77,7 @@ def test_freeing_a_shared_block_twice_in_one_call_releases_it_once():
 
 
 def test_shared_block_returns_only_when_last_reference_drops():
-    pool = BlockPool(num_blocks=4, block_size=4)
+    pool = make_pool(4, 4)
     (block,) = pool.allocate(1)
     pool.retain([block])
     assert pool.ref_count(block) == 2
@@ -64,32 +88,51 @@ def test_shared_block_returns_only_when_last_reference_drops():
 
 
 def test_double_free_and_unknown_ids_raise_and_change_nothing():
-    pool = BlockPool(num_blocks=4, block_size=4)
+    pool = make_pool(4, 4)
     pool.allocate(2)
-    pool.free([1])
+    pool.free([2])
     before = pool.stats()
     with pytest.raises(InvalidBlockError, match="double free"):
-        pool.free([1])
+        pool.free([2])
     with pytest.raises(InvalidBlockError, match="double free"):
-        pool.free([0, 0])  # the second drop would be a double free: nothing is freed
+        pool.free([1, 1])  # the second drop would be a double free: nothing is freed
     with pytest.raises(InvalidBlockError, match="does not exist"):
-        pool.free([0, 99])
+        pool.free([1, 99])
     with pytest.raises(InvalidBlockError, match="does not exist"):
         pool.free([-1])
     with pytest.raises(InvalidBlockError, match="is free"):
-        pool.retain([0, 1])
-    assert pool.stats() == before and pool.ref_count(0) == 1
+        pool.retain([1, 2])
+    assert pool.stats() == before and pool.ref_count(1) == 1
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("bad_id", [True, 1.0, np.int64(1), "1", None])
+def test_ids_that_are_not_plain_ints_are_refused_and_free_stays_all_or_nothing(bad_id):
+    pool = make_pool(4, 4)
+    first, second, third = pool.allocate(3)
+    pool.retain([first])  # ref_count 2: a leak or an extra drop would show
+    before = pool.stats()
+    with pytest.raises(InvalidBlockError):
+        pool.free([first, bad_id])  # True once passed as id 1 and freed it while referenced
+    with pytest.raises(InvalidBlockError):
+        pool.free([first, bad_id, third])  # ... and this one leaked a reference
+    with pytest.raises(InvalidBlockError):
+        pool.retain([bad_id])
+    with pytest.raises(InvalidBlockError):
+        pool.ref_count(bad_id)
+    assert pool.stats() == before
+    assert [pool.ref_count(b) for b in (first, second, third)] == [2, 1, 1]
     pool.check_invariants()
 
 
 def test_freed_hashed_block_stays_cached_and_can_be_revived():
-    pool = BlockPool(num_blocks=4, block_size=2)
+    pool = make_pool(4, 2)
     (block,) = pool.allocate(1)
     pool.set_num_filled_slots(block, 2)
     block_hash = publish_full_block(pool, block, [7, 8])
     pool.free([block])
     assert pool.evictable_block_ids() == [block] and pool.num_free_blocks == 3
-    assert pool.take_prefix([block_hash], [7, 8]) == [block]
+    assert take(pool, [block_hash], [7, 8]) == [block]
     assert pool.ref_count(block) == 1 and pool.num_cached_blocks == 0
     # leaving the cached set counts as an allocation: allocations - frees == used blocks
     assert (pool.stats().num_allocations, pool.stats().num_frees) == (2, 1)
@@ -97,35 +140,35 @@ def test_freed_hashed_block_stays_cached_and_can_be_revived():
 
 
 def test_cached_blocks_are_evicted_lru_and_only_after_fresh_ones():
-    pool = BlockPool(num_blocks=4, block_size=2)
-    blocks = pool.allocate(3)  # 0 1 2
+    pool = make_pool(4, 2)
+    blocks = pool.allocate(3)  # 1 2 3
     for block, tokens in zip(blocks, ([1, 1], [2, 2], [3, 3]), strict=True):
         pool.set_num_filled_slots(block, 2)
         publish_full_block(pool, block, tokens)
-    pool.free([2, 0, 1])  # LRU order now 2, 0, 1
-    assert pool.evictable_block_ids() == [2, 0, 1]
-    assert pool.allocate(1) == [3]  # the fresh block goes first
+    pool.free([3, 1, 2])  # LRU order now 3, 1, 2
+    assert pool.evictable_block_ids() == [3, 1, 2]
+    assert pool.allocate(1) == [4]  # the fresh block goes first
     assert pool.stats().num_evictions == 0
-    assert pool.allocate(2) == [2, 0]  # then least recently used cached blocks
+    assert pool.allocate(2) == [3, 1]  # then least recently used cached blocks
     assert pool.stats().num_evictions == 2
-    assert not pool.prefix_cache.is_cached(2) and pool.prefix_cache.is_cached(1)
+    assert not pool.prefix_cache.is_cached(3) and pool.prefix_cache.is_cached(2)
     pool.check_invariants()
 
 
 def test_reviving_a_cached_block_moves_it_out_of_lru_order():
-    pool = BlockPool(num_blocks=3, block_size=1)
+    pool = make_pool(3, 1)
     hashes = []
     for block in pool.allocate(3):
         pool.set_num_filled_slots(block, 1)
         hashes.append(publish_full_block(pool, block, [block]))
-    pool.free([0, 1, 2])
-    pool.take_prefix([hashes[0]], [0])
-    pool.free([0])  # 0 becomes most recently used
-    assert pool.evictable_block_ids() == [1, 2, 0]
+    pool.free([1, 2, 3])
+    take(pool, [hashes[0]], [1])
+    pool.free([1])  # 1 becomes most recently used
+    assert pool.evictable_block_ids() == [2, 3, 1]
 
 
 def test_publish_keeps_the_first_block_for_a_hash():
-    pool = BlockPool(num_blocks=4, block_size=2)
+    pool = make_pool(4, 2)
     first, second = pool.allocate(2)
     publish_full_block(pool, first, [5, 6])
     (block_hash,) = hash_full_blocks([5, 6], 2)
@@ -135,16 +178,16 @@ def test_publish_keeps_the_first_block_for_a_hash():
 
 
 def test_prefix_caching_off_finds_nothing_and_keeps_nothing():
-    pool = BlockPool(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    pool = make_pool(4, 2, enable_prefix_caching=False)
     (block,) = pool.allocate(1)
     (block_hash,) = hash_full_blocks([1, 2], 2)
     assert not pool.publish(block, block_hash, [1, 2])
     pool.free([block])
-    assert pool.num_cached_blocks == 0 and pool.match_prefix([block_hash], [1, 2]) == []
+    assert pool.num_cached_blocks == 0 and pool.match_prefix([block_hash], [1, 2]).block_ids == []
 
 
 def test_stats_report_usage_waste_and_counters():
-    pool = BlockPool(num_blocks=8, block_size=4)
+    pool = make_pool(8, 4)
     a, b = pool.allocate(2)
     pool.set_num_filled_slots(a, 4)
     pool.set_num_filled_slots(b, 1)
@@ -158,18 +201,34 @@ def test_stats_report_usage_waste_and_counters():
 
 
 def test_prefix_counters_count_tokens_and_blocks():
-    pool = BlockPool(num_blocks=4, block_size=2)
+    pool = make_pool(4, 2)
     (block,) = pool.allocate(1)
     block_hash = publish_full_block(pool, block, [1, 2])
     hashes = hash_full_blocks([1, 2, 3, 4, 5], 2)
     assert hashes[0] == block_hash
-    assert pool.take_prefix(hashes, [1, 2, 3, 4, 5]) == [block]
+    assert take(pool, hashes, [1, 2, 3, 4, 5]) == [block]
     stats = pool.stats()
     assert (stats.prefix_cache_queries_blocks, stats.prefix_cache_hits_blocks) == (2, 1)
     assert (stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens) == (5, 2)
 
 
+def test_a_match_counts_revivals_and_sizes_admission():
+    pool = make_pool(8, 2)
+    held, cached = pool.allocate(2)
+    hashes = hash_full_blocks([1, 2, 3, 4, 5], 2)
+    for block, tokens, block_hash in ((held, [1, 2], hashes[0]), (cached, [3, 4], hashes[1])):
+        pool.set_num_filled_slots(block, 2)
+        assert pool.publish(block, block_hash, tokens)
+    pool.free([cached])
+    match = pool.match_prefix(hashes, [1, 2, 3, 4, 5])
+    assert (match.block_ids, match.num_cached_tokens, match.num_evictable) == ([held, cached],
+                                                                               4, 1)
+    # 9 tokens: 5 blocks, 2 of them hits, one of which (cached) must be revived
+    assert pool.num_blocks_to_admit(match, 9) == 5 - 2 + 1
+    assert pool.stats().prefix_cache_queries_blocks == 0, "matching alone counts nothing"
+
+
 @pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0)])
 def test_invalid_pool_shapes_are_rejected(num_blocks, block_size):
-    with pytest.raises(ValueError, match="must be >= 1"):
-        BlockPool(num_blocks, block_size)
+    with pytest.raises(ValueError, match="at least 1"):
+        make_pool(num_blocks, block_size)

@@ -18,9 +18,12 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from pool_checks import assert_cached_blocks_hold_table_tokens
 
-from kvpool.memory.block_pool import BlockPool, OutOfBlocksError
+from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.block_table import BlockTable
+from kvpool.memory.errors import OutOfBlocksError
+from kvpool.memory.kv_layout import KVLayout
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -34,7 +37,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
+        self.pool = BlockPool(NUM_BLOCKS, KVLayout(BLOCK_SIZE))
         self.tables: dict[int, BlockTable] = {}
         self.expected_tokens: dict[int, list[int]] = {}
         self.next_id = 0
@@ -131,7 +134,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def ref_counts_equal_owners(self):
         owners = Counter(b for table in self.tables.values() for b in table.block_ids)
-        for block_id in range(NUM_BLOCKS):
+        for block_id in range(1, NUM_BLOCKS + 1):  # 0 is the null block
             assert self.pool.ref_count(block_id) == owners[block_id]
         free_ids = set(self.pool.free_block_ids()) | set(self.pool.evictable_block_ids())
         assert not free_ids & set(owners), "a block is both free and owned"
@@ -144,19 +147,14 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def hashed_blocks_hold_the_tokens_of_every_table_using_them(self):
-        for table in self.tables.values():
-            for index, block_id in enumerate(table.block_ids):
-                entry = self.pool.prefix_cache.entry(block_id)
-                if entry is not None:
-                    start = index * BLOCK_SIZE
-                    assert entry.token_ids == tuple(table.token_ids[start : start + BLOCK_SIZE])
+        assert_cached_blocks_hold_table_tokens(self.pool, self.tables.values())
 
     @invariant()
     def different_salts_never_share_a_block(self):
         salts_by_block = defaultdict(set)
         for table in self.tables.values():
             for block_id in table.block_ids:
-                salts_by_block[block_id].add(table.cache_salt)
+                salts_by_block[block_id].add(table.salt)
         assert all(len(salts) == 1 for salts in salts_by_block.values())
 
 

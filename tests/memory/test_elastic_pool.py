@@ -1,7 +1,8 @@
 """The elastic KV pool without a model: segments from the arena, growth, migration, policy.
 
-A tiny KV cache (256 bytes per block) over a 16-block arena, segments of 4 blocks. Data is
-written into blocks by hand so that a migration can be checked tensor for tensor.
+A tiny KV cache (256 bytes per block) over an arena of the null block and 16 blocks, segments
+of 4 blocks (ids 1..4, 5..8, ...). Data is written into blocks by hand so that a migration can
+be checked tensor for tensor.
 """
 
 from __future__ import annotations
@@ -13,23 +14,29 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvpool.memory.arena import Arena
-from kvpool.memory.block_pool import BlockPool, OutOfBlocksError
+from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.block_table import BlockTable
-from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig, StaticKVPool
-from kvpool.memory.kv_cache import KVCache, kv_bytes_per_block
+from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
+from kvpool.memory.errors import OutOfBlocksError
+from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_pool import StaticKVPool
+from kvpool.memory.resizable_block_pool import ResizableBlockPool
 
 BLOCK_SIZE = 2
-KV_SHAPE = (2, BLOCK_SIZE, 1, 8)  # layers, block_size, kv heads, head_dim
-BYTES_PER_BLOCK = kv_bytes_per_block(*KV_SHAPE, torch.float32)  # 256
+LAYOUT = KVLayout(BLOCK_SIZE, num_layers=2, num_kv_heads=1, head_dim=8)
+BYTES_PER_BLOCK = LAYOUT.bytes_per_block  # 256
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=12)
 
 
-def make_elastic(capacity_blocks: int = 16, **options) -> ElasticKVPool:
+def make_elastic(num_blocks: int = 16, **options) -> ElasticKVPool:
+    """An elastic pool that can bring `num_blocks` blocks online (the arena also holds the
+    null block)."""
     options = {"segment_blocks": 4, "initial_blocks": 4, "idle_seconds": 0.0} | options
-    arena = Arena.reserve(capacity_blocks * BYTES_PER_BLOCK)
+    arena = Arena.reserve((num_blocks + 1) * BYTES_PER_BLOCK)
     arena.buffer.view(torch.float32).fill_(float("nan"))  # what stale memory may hold
-    kv_cache = KVCache(capacity_blocks, *KV_SHAPE, storage=arena.buffer)
-    pool = BlockPool(0, BLOCK_SIZE, capacity_blocks=capacity_blocks)
+    kv_cache = KVCache(LAYOUT, num_blocks + 1, storage=arena.buffer)
+    pool = ResizableBlockPool(num_blocks + 1, LAYOUT)
     return ElasticKVPool(pool, kv_cache, arena, ElasticPoolConfig(**options))
 
 
@@ -45,24 +52,24 @@ def write_table(elastic: ElasticKVPool, tokens: list[int]) -> BlockTable:
 def test_segments_come_online_zeroed_until_the_budget_is_spent():
     elastic = make_elastic()
     tensor = elastic.kv_cache.tensor
-    assert [s.first_block_id for s in elastic.segments] == [0]
-    assert elastic.pool.online_block_ids() == [0, 1, 2, 3]
+    assert [s.first_block_id for s in elastic.segments] == [1]
+    assert elastic.pool.online_block_ids() == [1, 2, 3, 4]
     assert [elastic.grow() for _ in range(4)] == [True, True, True, False]
-    assert [s.first_block_id for s in elastic.segments] == [0, 4, 8, 12]
+    assert [s.first_block_id for s in elastic.segments] == [1, 5, 9, 13]
     assert elastic.pool.num_blocks == elastic.max_num_blocks == 16
-    assert torch.count_nonzero(tensor) == 0, "every online block was zeroed"
+    assert torch.count_nonzero(tensor) == 0, "every online block (and the null block) is zero"
     stats = elastic.stats()
     assert (stats.num_grows, stats.num_segments, stats.num_online_blocks) == (3, 4, 16)
-    assert stats.arena.num_allocated_bytes == 16 * BYTES_PER_BLOCK
+    assert stats.arena.num_allocated_bytes == 17 * BYTES_PER_BLOCK  # the null block too
     assert stats.arena.num_free_bytes == 0
     elastic.check_invariants()
 
 
-def test_offline_blocks_keep_their_bytes_except_block_zero():
+def test_offline_blocks_keep_their_bytes_but_the_null_block_is_zero():
     elastic = make_elastic(initial_blocks=0)
     tensor = elastic.kv_cache.tensor
     assert elastic.pool.num_blocks == 0 and elastic.segments == []
-    assert torch.count_nonzero(tensor[0]) == 0, "block 0 is the padding id attention reads"
+    assert torch.count_nonzero(tensor[0]) == 0, "the null block pads every block table"
     assert bool(tensor[1:].isnan().all())
 
 
@@ -75,7 +82,7 @@ def test_initial_blocks_round_up_to_whole_segments_and_must_fit():
 
 
 def test_the_last_segment_takes_what_is_left():
-    elastic = make_elastic(capacity_blocks=10)
+    elastic = make_elastic(num_blocks=10)
     while elastic.grow():
         pass
     assert [s.num_blocks for s in elastic.segments] == [4, 4, 2]
@@ -84,40 +91,40 @@ def test_the_last_segment_takes_what_is_left():
 
 def test_shrink_migrates_used_blocks_and_their_data_survives():
     elastic = make_elastic(initial_blocks=12)
-    left = write_table(elastic, list(range(7)))  # blocks 0..3: all of segment 0
-    middle = write_table(elastic, [9] * 6)  # blocks 4, 5, 6
-    right = write_table(elastic, [5, 6, 7])  # blocks 7 (segment 1) and 8 (segment 2)
+    left = write_table(elastic, list(range(7)))  # blocks 1..4: all of segment 0
+    middle = write_table(elastic, [9] * 6)  # blocks 5, 6, 7
+    right = write_table(elastic, [5, 6, 7])  # blocks 8 (segment 1) and 9 (segment 2)
     shared = right.fork()
-    middle.free()  # 4, 5, 6 stay cached: segments 1 and 2 now hold one used block each
+    middle.free()  # 5, 6, 7 stay cached: segments 1 and 2 now hold one used block each
     tables = [left, right, shared]
     before = [elastic.kv_cache.tensor[table.block_ids].clone() for table in tables]
     assert elastic.shrink(tables)  # a tie: the highest segment goes
-    assert [s.first_block_id for s in elastic.segments] == [0, 4]
-    # Block 8 moved into the least recently used cached block (6), evicting its prefix.
-    assert right.block_ids == shared.block_ids == [7, 6]
-    assert elastic.pool.ref_count(6) == 2
+    assert [s.first_block_id for s in elastic.segments] == [1, 5]
+    # Block 9 moved into the least recently used cached block (7), evicting its prefix.
+    assert right.block_ids == shared.block_ids == [8, 7]
+    assert elastic.pool.ref_count(7) == 2
     for table, data in zip(tables, before, strict=True):
         assert torch.equal(elastic.kv_cache.tensor[table.block_ids], data)
     stats = elastic.stats()
     assert (stats.num_shrinks, stats.num_migrated_blocks, stats.num_online_blocks) == (1, 1, 8)
-    assert stats.arena.num_live_allocations == 2
+    assert stats.arena.num_live_allocations == 3  # the null block and two segments
     assert stats.arena.num_free_bytes == 8 * BYTES_PER_BLOCK
     elastic.check_invariants()
 
 
 def test_shrink_evicts_unreferenced_cached_blocks_and_moves_held_prefixes():
     elastic = make_elastic(initial_blocks=4)
-    holder = write_table(elastic, [1, 2])  # block 0: full, so hashed
-    filler = write_table(elastic, [3, 4, 5, 6, 7, 8])  # blocks 1..3, hashed
+    holder = write_table(elastic, [1, 2])  # block 1: full, so hashed
+    filler = write_table(elastic, [3, 4, 5, 6, 7, 8])  # blocks 2..4, hashed
     assert elastic.grow()
-    other = write_table(elastic, [7, 7, 7])  # blocks 4, 5 of segment 1
+    other = write_table(elastic, [7, 7, 7])  # blocks 5, 6 of segment 1
     filler.free()  # segment 0: one used block, three cached ones
-    data = elastic.kv_cache.tensor[0].clone()
+    data = elastic.kv_cache.tensor[1].clone()
     assert elastic.shrink([holder, other])
-    assert [s.first_block_id for s in elastic.segments] == [4]
-    assert holder.block_ids[0] in (6, 7)
+    assert [s.first_block_id for s in elastic.segments] == [5]
+    assert holder.block_ids[0] in (7, 8)
     assert elastic.stats().num_evicted_blocks == 3
-    assert elastic.pool.match_prefix(holder.prefix_hashes([3, 4]), [3, 4]) == []
+    assert elastic.pool.match_prefix(holder.prefix_hashes([3, 4]), [3, 4]).block_ids == []
     holder.free()
     reader = BlockTable(elastic.pool)
     assert reader.take_cached_prefix([1, 2, 9]) == 2  # the moved block still serves [1, 2]
@@ -127,20 +134,20 @@ def test_shrink_evicts_unreferenced_cached_blocks_and_moves_held_prefixes():
 
 def test_shrink_refuses_when_the_other_segments_lack_room():
     elastic = make_elastic(initial_blocks=8)
-    table = write_table(elastic, list(range(9)))  # blocks 0..4: 3 blocks free in all
+    table = write_table(elastic, list(range(9)))  # blocks 1..5: 3 blocks free in all
     assert elastic.shrink([table]) is False
-    assert elastic.pool.num_blocks == 8 and table.block_ids == [0, 1, 2, 3, 4]
+    assert elastic.pool.num_blocks == 8 and table.block_ids == [1, 2, 3, 4, 5]
     assert make_elastic(initial_blocks=0).shrink([]) is False
 
 
 def test_shrink_refuses_tables_that_miss_a_reference_and_changes_nothing():
     elastic = make_elastic(initial_blocks=8)
     full = write_table(elastic, list(range(8)))  # segment 0
-    table = write_table(elastic, [1, 2, 3])  # blocks 4, 5: segment 1 is the emptiest
+    table = write_table(elastic, [1, 2, 3])  # blocks 5, 6: segment 1 is the emptiest
     fork = table.fork()
     with pytest.raises(ValueError, match="every live block table"):
-        elastic.shrink([full, table])  # the fork also holds blocks 4 and 5
-    assert elastic.pool.num_blocks == 8 and fork.block_ids == table.block_ids == [4, 5]
+        elastic.shrink([full, table])  # the fork also holds blocks 5 and 6
+    assert elastic.pool.num_blocks == 8 and fork.block_ids == table.block_ids == [5, 6]
     elastic.check_invariants()
 
 
@@ -184,8 +191,8 @@ def test_reset_gives_back_segments_grown_since_start_and_zeroes_counters():
     table = write_table(elastic, list(range(12)))
     table.free()
     elastic.reset()
-    assert [s.first_block_id for s in elastic.segments] == [0]
-    assert elastic.pool.free_block_ids() == [0, 1, 2, 3] and elastic.pool.num_cached_blocks == 0
+    assert [s.first_block_id for s in elastic.segments] == [1]
+    assert elastic.pool.free_block_ids() == [1, 2, 3, 4] and elastic.pool.num_cached_blocks == 0
     stats = elastic.stats()
     assert (stats.num_grows, stats.num_shrinks, stats.num_migrated_blocks) == (0, 0, 0)
     assert elastic.pool.stats().num_allocations == 0
@@ -195,13 +202,45 @@ def test_reset_gives_back_segments_grown_since_start_and_zeroes_counters():
     used.free()
 
 
+def test_the_policy_never_shrinks_below_the_initial_blocks_past_a_short_segment():
+    elastic = make_elastic(num_blocks=10, initial_blocks=8)  # segments 1..4, 5..8
+    big = write_table(elastic, list(range(16)))  # blocks 1..8
+    assert elastic.grow() and [s.num_blocks for s in elastic.segments] == [4, 4, 2]
+    small = write_table(elastic, [1, 2])  # block 9, in the short segment
+    big.free()  # the initial segments hold only cached blocks now: the emptiest
+    for now in (0.0, 1.0, 2.0, 3.0):
+        elastic.maybe_resize(now, [small])
+    assert elastic.pool.num_blocks == 8, "the floor is 8 blocks, not 2 segments"
+    assert [s.first_block_id for s in elastic.segments] == [1, 5]
+    assert small.block_ids[0] in range(1, 9)
+    elastic.check_invariants()
+
+
+def test_reset_restores_the_start_up_state_even_after_an_initial_segment_went():
+    elastic = make_elastic(initial_blocks=8)
+    start = (elastic.pool.online_block_ids(), elastic.pool.free_block_ids(),
+             elastic.arena.free_ranges())
+    assert elastic.grow()
+    filler = write_table(elastic, list(range(16)))  # blocks 1..8
+    held = write_table(elastic, [1, 2])  # block 9, in the grown segment
+    filler.free()
+    assert elastic.shrink([held])  # an initial segment goes: a tie, the higher one
+    assert [s.first_block_id for s in elastic.segments] == [1, 9]
+    held.free()
+    elastic.reset()
+    assert [s.first_block_id for s in elastic.segments] == [1, 5]
+    assert (elastic.pool.online_block_ids(), elastic.pool.free_block_ids(),
+            elastic.arena.free_ranges()) == start
+    elastic.check_invariants()
+
+
 def test_static_pool_is_the_null_object():
-    arena = Arena.reserve(8 * BYTES_PER_BLOCK)
-    handle = arena.allocate(8 * BYTES_PER_BLOCK, alignment=BYTES_PER_BLOCK, size_class=False)
-    storage = handle.view(torch.uint8)
+    arena = Arena.reserve(9 * BYTES_PER_BLOCK)  # 8 blocks and the null block
+    handle = arena.allocate(9 * BYTES_PER_BLOCK, alignment=BYTES_PER_BLOCK)
+    storage = arena.buffer[handle.offset : handle.offset + handle.nbytes]
     storage.view(torch.float32).fill_(float("nan"))
-    kv_cache = KVCache(8, *KV_SHAPE, storage=storage)
-    static = StaticKVPool(BlockPool(8, BLOCK_SIZE), kv_cache, arena)
+    kv_cache = KVCache(LAYOUT, 9, storage=storage)
+    static = StaticKVPool(BlockPool(8, LAYOUT), kv_cache, arena)
     assert torch.count_nonzero(kv_cache.tensor) == 0
     table = BlockTable(static.pool)
     table.append_tokens(list(range(16)))
@@ -227,7 +266,7 @@ class ElasticPoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.elastic = make_elastic(
-            capacity_blocks=16, segment_blocks=4, initial_blocks=0, low_watermark_blocks=1
+            num_blocks=16, segment_blocks=4, initial_blocks=0, low_watermark_blocks=1
         )
         self.tables: dict[int, BlockTable] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -246,7 +285,7 @@ class ElasticPoolMachine(RuleBasedStateMachine):
         self.elastic.kv_cache.copy_blocks(copies)  # copy-on-write, before any new write
         self.tokens[seq] += new_tokens
         for position in range(start, table.num_tokens):
-            slot = table.slot(position)
+            slot = LAYOUT.slot(table.block_ids, position)
             block = self.elastic.kv_cache.tensor[slot // BLOCK_SIZE]
             block[:, :, slot % BLOCK_SIZE] = token_value(self.tokens[seq], position)
         return True
@@ -318,7 +357,7 @@ class ElasticPoolMachine(RuleBasedStateMachine):
         for seq, table in self.tables.items():
             assert table.token_ids == self.tokens[seq]
             for position in range(table.num_tokens):
-                slot = table.slot(position)
+                slot = LAYOUT.slot(table.block_ids, position)
                 value = tensor[slot // BLOCK_SIZE, 0, 1, slot % BLOCK_SIZE, 0, 0].item()
                 assert value == token_value(self.tokens[seq], position)
 

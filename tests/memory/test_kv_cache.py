@@ -1,4 +1,5 @@
-"""KV tensors: slot writes land in the right block and offset; block copies copy one block."""
+"""KV tensors: slot writes land in the right block and offset; block copies copy one block;
+the layout owns every size and the null block stays zero."""
 
 from __future__ import annotations
 
@@ -6,26 +7,28 @@ import pytest
 import torch
 
 from kvpool.memory.block_table import BlockCopy
-from kvpool.memory.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory, write_kv
+from kvpool.memory.kv_cache import KVCache, write_kv
+from kvpool.memory.kv_layout import KVLayout
+
+LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=3)
 
 
-def make_cache(dtype=torch.float32) -> KVCache:
-    return KVCache(
-        num_blocks=6, num_layers=2, block_size=4, num_kv_heads=2, head_dim=3, dtype=dtype
-    )
+def make_cache(dtype="float32") -> KVCache:
+    return KVCache(KVLayout(4, 2, 2, 3, dtype), num_blocks=6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_write_kv_lands_in_slots(dtype):
     cache = make_cache(dtype)
+    torch_dtype = cache.layout.torch_dtype
     key = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1
     value = -key
     slots = torch.tensor([5, 6, 17])  # block 1 offsets 1, 2; block 4 offset 1
     write_kv(cache.layer(1), key, value, slots)
     layer = cache.layer(1)
-    assert torch.equal(layer[1, 0, 1], key[0].to(dtype))
-    assert torch.equal(layer[1, 1, 2], value[1].to(dtype))
-    assert torch.equal(layer[4, 0, 1], key[2].to(dtype))
+    assert torch.equal(layer[1, 0, 1], key[0].to(torch_dtype))
+    assert torch.equal(layer[1, 1, 2], value[1].to(torch_dtype))
+    assert torch.equal(layer[4, 0, 1], key[2].to(torch_dtype))
     # nothing else was touched: three K rows and three V rows are non-zero
     assert int((cache.tensor != 0).any(dim=-1).any(dim=-1).sum()) == 6
     assert not cache.layer(0).any()
@@ -44,20 +47,39 @@ def test_copy_blocks_reads_sources_before_writing():
     cache = make_cache()
     cache.tensor.copy_(torch.randn_like(cache.tensor))
     before = cache.tensor.clone()
-    cache.copy_blocks([BlockCopy(0, 1), BlockCopy(1, 2)])
-    assert torch.equal(cache.tensor[1], before[0])
+    cache.copy_blocks([BlockCopy(1, 2), BlockCopy(2, 3)])
     assert torch.equal(cache.tensor[2], before[1])
+    assert torch.equal(cache.tensor[3], before[2])
 
 
-def test_sizes_and_storage():
-    per_block = kv_bytes_per_block(2, 4, 2, 3, torch.bfloat16)
-    assert per_block == 2 * 2 * 4 * 2 * 3 * 2
-    assert num_blocks_for_memory(10 * per_block + 5, per_block) == 10
+def test_the_layout_owns_sizes_slots_and_block_counts():
+    layout = KVLayout(4, 2, 2, 3, "bfloat16")
+    assert layout.bytes_per_block == 2 * 2 * 4 * 2 * 3 * 2 == 4 * layout.bytes_per_token
+    assert layout.num_blocks_for_memory(10 * layout.bytes_per_block + 5) == 10
     with pytest.raises(ValueError, match="cannot hold one block"):
-        num_blocks_for_memory(per_block - 1, per_block)
-    storage = torch.zeros(3 * per_block, dtype=torch.uint8)
-    cache = KVCache(3, 2, 4, 2, 3, dtype=torch.bfloat16, storage=storage)
-    cache.layer(0)[2, 1, 3] = 1.0
-    assert storage.any()  # the cache is a view over the given bytes
+        layout.num_blocks_for_memory(layout.bytes_per_block - 1)
+    assert [layout.num_blocks_for_tokens(n) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+    assert layout.slot([7, 3], 5) == 3 * 4 + 1
+    assert layout.slot_mapping([7, 3], 2, 6) == [30, 31, 12, 13]
+    assert layout.tensor_shape(3) == (3, 2, 2, 4, 2, 3)
     with pytest.raises(ValueError, match="KV dtype"):
-        KVCache(1, 1, 1, 1, 1, dtype=torch.int8)
+        KVLayout(dtype="int8")
+    with pytest.raises(ValueError, match="block_size"):
+        KVLayout(block_size=0)
+
+
+def test_storage_is_viewed_and_its_null_block_zeroed():
+    layout = KVLayout(4, 2, 2, 3, "bfloat16")
+    storage = torch.full((3 * layout.bytes_per_block,), 0xFF, dtype=torch.uint8)
+    cache = KVCache(layout, 3, storage=storage)
+    assert not cache.tensor[0].view(torch.uint8).any(), "the null block is zero"
+    cache.layer(0)[2, 1, 3] = 1.0
+    assert cache.tensor.data_ptr() == storage.data_ptr()  # a view over the given bytes
+    with pytest.raises(ValueError, match="at least"):
+        KVCache(layout, 4, storage=storage)
+
+
+def test_a_tensor_of_another_layout_is_refused():
+    cache = make_cache()
+    with pytest.raises(AssertionError, match="does not match"):
+        KVLayout(8, 2, 2, 3).check_tensor(cache.tensor)

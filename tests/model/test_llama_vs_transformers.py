@@ -14,6 +14,7 @@ from kvpool.engine.model_runner import ModelRunner, SequenceChunk
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.kv_layout import KVLayout
 
 LOGITS_ATOL = 1e-3
 NUM_NEW_TOKENS = 32
@@ -54,17 +55,15 @@ def prompts(smollm2) -> list[list[int]]:
 
 
 def make_kv_cache(config, num_blocks: int) -> KVCache:
-    return KVCache(
-        num_blocks, config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
-        dtype=torch.float32,
-    )
+    """A cache of `num_blocks` blocks after the null block (ids 1 .. num_blocks)."""
+    return KVCache(KVLayout.for_model(config, BLOCK_SIZE, torch.float32), num_blocks + 1)
 
 
 def kvpool_prefill_logits(smollm2, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prompt's prefill. # [num_tokens, vocab]"""
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
     runner = ModelRunner(smollm2.model, make_kv_cache(smollm2.config, num_blocks))
-    inputs = runner.prepare([SequenceChunk(token_ids, 0, list(range(num_blocks)))])
+    inputs = runner.prepare([SequenceChunk(token_ids, 0, list(range(1, num_blocks + 1)))])
     return smollm2.model(
         inputs.token_ids, inputs.positions, runner.kv_cache.tensor, inputs.metadata,
         torch.arange(len(token_ids)),
@@ -120,7 +119,7 @@ class _Sequence:
             new, needs_logits = self.output[-1:], True
         self.table.append_tokens(new)
         block_ids = list(self.table.block_ids)
-        chunk = SequenceChunk(new, self.num_computed_tokens, block_ids, needs_logits)
+        chunk = SequenceChunk(new, self.num_computed_tokens, block_ids, int(needs_logits))
         self.num_computed_tokens += len(new)
         return chunk
 
@@ -129,7 +128,7 @@ def kvpool_greedy_mixed_batches(smollm2, prompts: list[list[int]]) -> list[list[
     """Greedy decoding with sequences arriving in waves: every step mixes decodes of earlier
     arrivals with (chunked) prefills of later ones."""
     num_blocks = sum(-(-(len(p) + NUM_NEW_TOKENS) // BLOCK_SIZE) for p in prompts)
-    pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+    pool = BlockPool(num_blocks, KVLayout(BLOCK_SIZE), enable_prefix_caching=False)
     runner = ModelRunner(smollm2.model, make_kv_cache(smollm2.config, num_blocks))
     arrivals = {0: [0, 4, 2], 2: [3, 1], 3: [5, 7], 5: [6]}  # step -> prompt indices
     sequences = {i: _Sequence(pool, prompts[i]) for i in range(len(prompts))}
@@ -145,7 +144,7 @@ def kvpool_greedy_mixed_batches(smollm2, prompts: list[list[int]]) -> list[list[
         logits = runner.execute(chunks)
         sampled = iter(logits.argmax(dim=-1).tolist())
         for i, chunk in zip(active, chunks, strict=True):
-            if chunk.needs_logits:
+            if chunk.num_samples:
                 sequences[i].output.append(next(sampled))
     assert num_mixed_steps >= 3, "the schedule should mix prefill and decode in several steps"
     for sequence in sequences.values():

@@ -78,9 +78,9 @@ def serve(
     app = build_app(engine, server_config or ServerConfig(served_model_names=(MODEL,)))
     with BackgroundServer(app) as background:
         yield RunningServer(background.base_url, engine)
-    pool = engine.engine.pool
-    assert pool.num_used_blocks == 0, f"{pool.num_used_blocks} blocks leaked"
-    pool.check_invariants()
+    num_used = engine.engine.memory_stats().num_used_blocks
+    assert num_used == 0, f"{num_used} blocks leaked"
+    engine.engine.check_invariants()
 
 
 @pytest.fixture(scope="session")

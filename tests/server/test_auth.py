@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from kvpool.engine.errors import InvalidRequestError
 from kvpool.server.auth import ApiKeyTable, derive_cache_salt, parse_key_file
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL
@@ -56,6 +57,9 @@ def test_cache_salt_is_the_tenant_narrowed_by_the_client() -> None:
     assert len(salts) == 8  # no (tenant, client salt) pair collides with another
     with pytest.raises(ValueError, match="at most 256"):
         derive_cache_salt("alice", "s" * 257)
+    with pytest.raises(InvalidRequestError, match="valid Unicode") as refused:
+        derive_cache_salt("alice", "x\ud800")  # a lone surrogate cannot be hashed
+    assert refused.value.param == "cache_salt"
 
 
 @pytest.fixture

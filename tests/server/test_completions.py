@@ -138,3 +138,51 @@ def test_usage_reports_cached_prompt_tokens_on_a_repeat(server, smollm2) -> None
     expected = (num_tokens - 1) // block_size * block_size
     assert expected > 0
     assert second.usage.prompt_tokens_details.cached_tokens == expected
+
+
+def test_streamed_logprobs_match_the_whole_response(server) -> None:
+    """The deltas' logprobs concatenate to the whole response's, offsets running on across
+    chunks."""
+    client = server.client()
+    options = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "logprobs": 2, **GREEDY}
+    whole = client.completions.create(**options).choices[0].logprobs
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for chunk in client.completions.create(stream=True, **options):
+        logprobs = chunk.choices[0].logprobs
+        if logprobs is not None:
+            tokens += logprobs.tokens
+            token_logprobs += logprobs.token_logprobs
+            top_logprobs += logprobs.top_logprobs
+            offsets += logprobs.text_offset
+    assert tokens == whole.tokens
+    assert token_logprobs == whole.token_logprobs
+    assert top_logprobs == whole.top_logprobs
+    assert offsets == whole.text_offset
+
+
+def test_stream_chunks_carry_only_news_and_each_finish_reason_once(server) -> None:
+    """n sampled choices that stop at different steps: each chunk carries new tokens or a
+    finish reason, never a copy of earlier ones; each finish reason goes out once; usage is
+    summed over the deltas."""
+    client = server.client()
+    options = {"model": MODEL, "prompt": "My favourite animal is", "max_tokens": 12, "n": 3,
+               "temperature": 1.0, "seed": 99, "stop": ["e"], "logprobs": 1}
+    whole = client.completions.create(**options)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **options))
+    streamed = {index: "" for index in range(3)}
+    tokens: dict[int, list[str]] = {index: [] for index in range(3)}
+    finish_reasons: dict[int, list[str]] = {index: [] for index in range(3)}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert choice.logprobs.tokens or choice.finish_reason
+        streamed[choice.index] += choice.text
+        tokens[choice.index] += choice.logprobs.tokens
+        if choice.finish_reason is not None:
+            finish_reasons[choice.index].append(choice.finish_reason)
+    assert streamed == {choice.index: choice.text for choice in whole.choices}
+    assert tokens == {choice.index: choice.logprobs.tokens for choice in whole.choices}
+    assert finish_reasons == {choice.index: [choice.finish_reason] for choice in whole.choices}
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens)

@@ -75,10 +75,11 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": "hi", "top_k": -5}, "top_k", "top_k"),
     (COMPLETIONS, {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     (COMPLETIONS, {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
-    (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "[0.01, 100]"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**30}, "max_tokens", "less than or equal"),
     (COMPLETIONS, {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens", "exceed"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "[0, 20]"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
@@ -87,6 +88,7 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16"),
     (COMPLETIONS, {"prompt": "hi", "stop": [""]}, "stop", "non-empty"),
     (COMPLETIONS, {"prompt": "hi", "cache_salt": "s" * 300}, "cache_salt", "at most 256"),
+    (CHAT, {"messages": USER, "cache_salt": "x\udfff"}, "cache_salt", "valid Unicode"),
     (COMPLETIONS, {"prompt": "hi\ud800"}, "prompt", "could not be tokenized"),
 ]
 
@@ -149,6 +151,69 @@ def test_openai_client_raises_bad_request(server) -> None:
         client.chat.completions.create(model=MODEL, messages=USER, top_p=7.0)
 
 
+def test_a_lone_surrogate_cache_salt_is_400_naming_cache_salt_before_the_engine(
+    server, monkeypatch
+) -> None:
+    """Regression: the engine's hashing raised UnicodeEncodeError (a ValueError), which the
+    server read as a prompt error. The raw JSON escape reaches the server as a lone surrogate."""
+    added = []
+
+    async def add_request(*args: Any, **kwargs: Any) -> Any:
+        added.append(args)
+        raise AssertionError("the request reached the engine")
+
+    monkeypatch.setattr(server.engine, "add_request", add_request)
+    raw = b'{"prompt": "hi", "max_tokens": 1, "cache_salt": "\\ud800"}'
+    with server.http() as http:
+        response = http.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    error = error_of(response, 400)
+    assert (error["param"], error["code"]) == ("cache_salt", None)
+    assert "\ud800" not in error["message"]
+    assert added == []
+
+
+GARBAGE = "zq" + "x7" * 3000 + "qz"  # long, and in no message by chance
+# (path, body, param, the client's value as it could appear in a message)
+ECHO_BAIT = [
+    (COMPLETIONS, {"prompt": "hi", "model": GARBAGE}, "model", GARBAGE[:65]),
+    (COMPLETIONS, {"prompt": "hi", "model": "\ud800" + GARBAGE}, "model", GARBAGE[:64]),
+    (COMPLETIONS, {"prompt": "hi", "stop": [GARBAGE]}, "stop", GARBAGE[:20]),
+    (COMPLETIONS, {"prompt": "hi", "cache_salt": GARBAGE}, "cache_salt", GARBAGE[:20]),
+    (COMPLETIONS, {"prompt": "hi", "cache_salt": GARBAGE[:9] + "\ud800"}, "cache_salt",
+     GARBAGE[:9]),
+    (COMPLETIONS, {"prompt": "hi", "temperature": GARBAGE}, "temperature", GARBAGE[:20]),
+    (COMPLETIONS, {"prompt": "hi", "seed": GARBAGE}, "seed", GARBAGE[:20]),
+    (COMPLETIONS, {"prompt": GARBAGE}, "prompt", GARBAGE[:20]),  # 6,000 characters: too long
+    (COMPLETIONS, {"prompt": "hi", "suffix": GARBAGE}, "suffix", GARBAGE[:20]),
+    (CHAT, {"messages": [{"role": GARBAGE, "content": "hi"}]}, "messages", GARBAGE[:20]),
+    (CHAT, {"messages": [{"role": "user", "content": 7}], "user": GARBAGE}, "messages",
+     GARBAGE[:20]),
+    (COMPLETIONS, {"prompt": "hi", "temperature": -1.2345}, "temperature", "1.2345"),
+    (COMPLETIONS, {"prompt": "hi", "top_p": 1.2345}, "top_p", "1.2345"),
+    (COMPLETIONS, {"prompt": "hi", "min_p": -0.98765}, "min_p", "98765"),
+    (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 123.456}, "repetition_penalty", "456"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 987654321}, "max_tokens", "987654321"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 987654321}, "max_completion_tokens",
+     "987654321"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**40}, "max_tokens", "0" * 40),
+    (COMPLETIONS, {"prompt": "hi", "n": 987654}, "n", "987654"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 987654}, "logprobs", "987654"),
+    (COMPLETIONS, {"prompt": "hi", "min_tokens": 45678, "max_tokens": 4}, "min_tokens",
+     "45678"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "value"), ECHO_BAIT)
+def test_error_messages_never_include_the_offending_value(
+    server, path, body, param, value
+) -> None:
+    status = 404 if param == "model" else 400
+    error = error_of(post(server, path, body), status)
+    assert error["param"] == param
+    assert value not in error["message"]
+    assert value not in (error["param"] or "")
+
+
 def test_no_work_was_done_for_any_rejected_request(server) -> None:
     """Everything above was refused before reaching the engine (or, for the token id out of
     the vocabulary, by its validation): no prompt token was ever counted."""
@@ -176,3 +241,44 @@ def test_beyond_max_concurrent_requests_is_429(make_server) -> None:
             assert time.monotonic() < deadline, "the closed stream never released its slot"
             time.sleep(0.05)
     assert completion.choices[0].finish_reason == "length"
+
+
+def test_beyond_max_queued_sequences_is_429_and_never_reaches_the_engine(make_server) -> None:
+    """prompts × n, summed over the requests in flight: 3 + 2 > 4 is refused, 3 + 1 fits; a
+    request that alone asks for more than the limit can never fit, so it gets 400, not 429."""
+    server = make_server(ServerConfig(served_model_names=(MODEL,), max_queued_sequences=4))
+    client = server.client()
+    stream = client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=2000, n=3, temperature=1.0, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))  # three sequences are in flight
+    num_prompt_tokens = server.engine.snapshot().stats.num_prompt_tokens
+    with server.http() as http:
+        refused = [
+            http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 1, "n": 2}),
+            http.post(COMPLETIONS, json={"prompt": ["hi", "there"], "max_tokens": 1}),
+            http.post(CHAT, json={"messages": USER, "max_tokens": 1, "n": 2}),
+        ]
+        alone = http.post(COMPLETIONS, json={"prompt": ["a", "b", "c"], "max_tokens": 1, "n": 2})
+    for response in refused:
+        assert error_of(response, 429)["code"] == "rate_limit_exceeded"
+        assert response.headers["retry-after"] == "1"
+        assert "more than 4 sequences" in response.json()["error"]["message"]
+    assert error_of(alone, 400)["param"] == "n"
+    assert server.engine.snapshot().stats.num_prompt_tokens == num_prompt_tokens  # none added
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=2)
+    fits = client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert fits.choices[0].finish_reason == "length"
+    stream.close()
+    deadline = time.monotonic() + 10
+    while True:  # the room comes back once the server has seen the disconnect
+        try:
+            completion = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1,
+                                                   n=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the closed stream never released its sequences"
+            time.sleep(0.05)
+    assert len(completion.choices) == 4

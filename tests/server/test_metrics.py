@@ -61,3 +61,15 @@ def test_each_app_has_its_own_registry(make_server) -> None:
     first.client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert scrape(first)["kvpool:time_to_first_token_seconds_count"] == 1
     assert scrape(second)["kvpool:time_to_first_token_seconds_count"] == 0
+
+
+def test_a_stream_is_timed_over_all_its_tokens(make_server) -> None:
+    """A stream's outputs are deltas: the per-token latency counts the tokens of all of them,
+    not only the last one's (a one-token final delta would skip the observation)."""
+    server = make_server()
+    chunks = list(server.client().completions.create(
+        model=MODEL, prompt="hi", max_tokens=5, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    samples = scrape(server)
+    assert samples["kvpool:time_per_output_token_seconds_count"] == 1
+    assert samples["kvpool:e2e_request_latency_seconds_count"] == 1

@@ -1,6 +1,8 @@
-"""`kvpool serve`: its flags, and a real process that shuts down gracefully on SIGTERM: new
-requests are refused at once, a request in flight finishes within the grace period, and the
-process exits 0."""
+"""`kvpool serve` as a real process shuts down gracefully on SIGTERM: new requests are refused at
+once, a request in flight finishes within the grace period, and the process exits 0.
+
+(Its flags are tested in tests/cli/test_serve_flags.py.)
+"""
 
 from __future__ import annotations
 
@@ -12,40 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
-
-from kvpool.cli import build_parser, main
-from kvpool.server.serve import server_config_from_args
-
-
-def test_flags_build_the_server_config(tmp_path: Path) -> None:
-    keys = tmp_path / "keys"
-    keys.write_text("alice:key-a\n")
-    args = build_parser().parse_args([
-        "serve", "tiny", "--load-format", "dummy", "--served-model-name", "a", "b",
-        "--api-key-file", str(keys), "--max-concurrent-requests", "0",
-        "--max-request-bytes", "1MiB", "--shutdown-grace-seconds", "5",
-    ])
-    config = server_config_from_args(args)
-    assert config.served_model_names == ("a", "b")
-    assert config.api_keys.authenticate("Bearer key-a") == "alice"
-    assert config.max_concurrent_requests is None
-    assert config.max_request_bytes == 1 << 20
-    assert config.shutdown_grace_seconds == 5
-    defaults = server_config_from_args(build_parser().parse_args(["serve"]))
-    assert defaults.served_model_names == ("SmolLM2-135M-Instruct",)
-    assert not defaults.api_keys.is_enabled
-    assert (args.host, args.port) == ("127.0.0.1", 8000)
-
-
-def test_a_bad_key_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
-    keys = tmp_path / "keys"
-    keys.write_text("no separator here\n")
-    argv = ["serve", "tiny", "--load-format", "dummy", "--api-key-file", str(keys)]
-    assert main(argv) == 2
-    assert "line 1: expected 'tenant:key'" in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""The simulator on tiny traces worked out by hand, plus trace I/O and the CLI.
+"""The simulator on tiny traces worked out by hand, plus trace I/O (the CLI: tests/cli).
 
 Every scenario uses a one-layer model with one KV head of 64 fp16 values:
 1 layer x 2 (K, V) x 1 head x 64 x 2 bytes = 256 bytes per token, and a budget of 16 tokens
@@ -7,12 +7,10 @@ Every scenario uses a one-layer model with one KV head of 64 fp16 values:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from kvpool.cli import main
 from kvpool.memory.arena_free_list import PlacementPolicy
 from kvpool.sim.contiguous import ContiguousStrategy, reserve_exact, reserve_max
 from kvpool.sim.model_shape import KVShape
@@ -141,7 +139,8 @@ def test_every_strategy_accounts_for_the_whole_budget() -> None:
     strategies = build_strategies(config, trace, block_sizes=(1, 16))
     assert [s.name for s in strategies] == [
         "contiguous-max", "contiguous-pow2", "contiguous-exact-first", "contiguous-exact-best",
-        "contiguous-exact-worst", "paged-1", "paged-16", "paged-16+prefix", "paged-16+fork",
+        "contiguous-exact-worst", "contiguous-classes", "contiguous-exact-compact", "paged-1",
+        "paged-16", "paged-16+prefix", "paged-16+fork",
     ]
     for strategy in strategies:
         result = simulate(trace, strategy, config)
@@ -181,27 +180,3 @@ def test_jsonl_round_trip_and_errors(tmp_path: Path) -> None:
         load_jsonl(path)
     path.write_text('{"arrival": 0, "prompt_len": 10, "output_len": 5, "prefix_group": 1}\n')
     assert load_jsonl(path, default_prefix_len=4)[0].prefix_len == 4
-
-
-def test_cli_json_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code = main(["simulate", "--num-requests", "20", "--budget", "128MiB", "--block-sizes",
-                 "16,64", "--num-samples", "2", "--json", "--plot-dir", str(tmp_path)])
-    assert code == 0
-    results = json.loads(capsys.readouterr().out)
-    assert [r["strategy"] for r in results] == [
-        "contiguous-max", "contiguous-pow2", "contiguous-exact-first", "contiguous-exact-best",
-        "contiguous-exact-worst", "paged-16", "paged-64", "paged-16+fork",
-    ]
-    for key in ("token_state_fraction", "peak_concurrency", "mean_concurrency",
-                "external_fragmentation", "steps", "internal_fragmentation"):
-        assert all(key in r for r in results)
-    paged = next(r for r in results if r["strategy"] == "paged-16")
-    contiguous = next(r for r in results if r["strategy"] == "contiguous-max")
-    assert paged["token_state_fraction"] > contiguous["token_state_fraction"]
-    assert (tmp_path / "memory_composition.png").stat().st_size > 0
-    assert (tmp_path / "concurrency.png").stat().st_size > 0
-
-
-def test_cli_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--trace", "jsonl"]) == 2
-    assert "--trace-file" in capsys.readouterr().err

@@ -7,12 +7,13 @@ blocks by hash, takes a reference on each, and B allocates blocks only for the r
 requests on a pool with prefix caching off show how many blocks sharing saves. A request with
 a different `cache_salt` never shares, even with the same tokens.
 
-Run: python examples/04_prefix_sharing.py
+Run: python -m kvpool.experiments.prefix_sharing
 """
 
 from __future__ import annotations
 
 from kvpool.memory import BlockPool, BlockTable
+from kvpool.memory.kv_layout import KVLayout
 
 BLOCK_SIZE = 4
 SYSTEM_PROMPT = "you are a helpful assistant . answer briefly and very politely ."  # 12 words
@@ -37,7 +38,7 @@ def run(
     enable_prefix_caching: bool, prompts: list[list[int]]
 ) -> tuple[BlockPool, list[BlockTable]]:
     """Admit every prompt into a fresh 32-block pool; returns the pool and the tables."""
-    pool = BlockPool(32, block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    pool = BlockPool(32, KVLayout(BLOCK_SIZE), enable_prefix_caching=enable_prefix_caching)
     return pool, [admit(pool, prompt) for prompt in prompts]
 
 

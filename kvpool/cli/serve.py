@@ -1,5 +1,8 @@
 """`kvpool serve [MODEL]`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
+This module owns the command: the server flags, `server_config_from_args`, and starting the
+engine and the app (`kvpool.server.app.build_app`) under `GracefulServer`.
+
 SIGTERM or Ctrl-C starts a graceful shutdown: new generation requests get 503 at once, requests
 in flight may finish for `--shutdown-grace-seconds`, whatever is left is then aborted, the engine
 thread is joined and the process exits 0. A second Ctrl-C forces an immediate exit.
@@ -11,7 +14,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from kvpool.engine.args import add_engine_args, engine_config_from_args, parse_size
+from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
 
 if TYPE_CHECKING:
     from kvpool.server.config import ServerConfig
@@ -38,6 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="generation requests in flight; more get 429 (0: no limit)",
     )
     group.add_argument(
+        "--max-queued-sequences", type=int, default=4096,
+        help="sequences (prompts x n) in flight over all requests; more get 429 (0: no limit)",
+    )
+    group.add_argument(
         "--max-request-bytes", type=parse_size, default="4MiB",
         help="larger request bodies get 413 (default 4MiB)",
     )
@@ -60,6 +67,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_names=tuple(names),
         api_keys=ApiKeyTable.from_config(args.api_key, args.api_key_file),
         max_concurrent_requests=args.max_concurrent_requests or None,
+        max_queued_sequences=args.max_queued_sequences or None,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
     )

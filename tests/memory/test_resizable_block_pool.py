@@ -1,7 +1,8 @@
-"""The block pool's online set: ids brought online and taken offline, relocation, reset.
+"""The resizable block pool: ids brought online and taken offline, relocation, reset.
 
-Small scenarios assert exact ids; a property test interleaves sequence operations with
-segments of ids going online, offline, and being emptied by relocation.
+Small scenarios assert exact ids (id 0 is the null block: never online); a property test
+interleaves sequence operations with segments of ids going online, offline, and being emptied
+by relocation.
 """
 
 from __future__ import annotations
@@ -19,13 +20,22 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from pool_checks import assert_cached_blocks_hold_table_tokens
 
-from kvpool.memory.block_pool import BlockPool, InvalidBlockError, OutOfBlocksError
 from kvpool.memory.block_table import BlockTable
+from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
+from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.resizable_block_pool import ResizableBlockPool
+
+
+def make_pool(online: range | list[int], capacity_blocks: int, block_size: int = 4):
+    pool = ResizableBlockPool(capacity_blocks, KVLayout(block_size))
+    pool.add_blocks(online)
+    return pool
 
 
 def test_a_pool_can_start_empty_and_take_ids_online():
-    pool = BlockPool(0, block_size=4, capacity_blocks=12)
+    pool = ResizableBlockPool(12, KVLayout(4))
     assert pool.num_blocks == 0 and pool.num_allocatable_blocks == 0
     assert pool.stats().usage == 0.0
     with pytest.raises(OutOfBlocksError):
@@ -37,91 +47,92 @@ def test_a_pool_can_start_empty_and_take_ids_online():
 
 
 def test_added_blocks_go_under_the_blocks_already_free():
-    pool = BlockPool(4, block_size=4, capacity_blocks=8)
-    pool.free(pool.allocate(3))  # LIFO: 2, 1, 0 come back first, then 3
-    pool.add_blocks([7, 6, 5, 4])
-    assert pool.free_block_ids() == [2, 1, 0, 3, 4, 5, 6, 7]
+    pool = make_pool(range(1, 5), 9)
+    pool.free(pool.allocate(3))  # LIFO: 3, 2, 1 come back first, then 4
+    pool.add_blocks([8, 7, 6, 5])
+    assert pool.free_block_ids() == [3, 2, 1, 4, 5, 6, 7, 8]
 
 
 def test_offline_ids_are_never_handed_out_or_accepted():
-    pool = BlockPool(4, block_size=4, capacity_blocks=8)
-    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool = make_pool(range(1, 5), 9)
+    assert pool.allocate(4) == [1, 2, 3, 4]
     with pytest.raises(OutOfBlocksError):
         pool.allocate(1)
     for call in (pool.free, pool.retain):
         with pytest.raises(InvalidBlockError, match="does not exist"):
-            call([5])
+            call([6])
     with pytest.raises(InvalidBlockError, match="does not exist"):
-        pool.ref_count(5)
-    assert not pool.is_online(5) and not pool.is_online(8) and pool.is_online(3)
+        pool.ref_count(6)
+    assert not pool.is_online(6) and not pool.is_online(9) and pool.is_online(4)
 
 
-def test_add_rejects_online_repeated_and_out_of_range_ids_without_change():
-    pool = BlockPool(4, block_size=4, capacity_blocks=8)
-    for bad in ([3], [5, 5], [8], [-1]):
+def test_add_rejects_online_repeated_out_of_range_and_null_ids_without_change():
+    pool = make_pool(range(1, 5), 9)
+    for bad in ([4], [6, 6], [9], [-1], [0], [True]):
         with pytest.raises(InvalidBlockError):
             pool.add_blocks(bad)
-    assert pool.num_blocks == 4 and pool.online_block_ids() == [0, 1, 2, 3]
+    assert pool.num_blocks == 4 and pool.online_block_ids() == [1, 2, 3, 4]
     pool.check_invariants()
 
 
 def test_remove_takes_free_and_cached_blocks_offline_and_refuses_used_ones():
-    pool = BlockPool(6, block_size=2)
+    pool = make_pool(range(1, 7), 7, block_size=2)
     table = BlockTable(pool)
-    table.append_tokens([1, 2, 3, 4, 5])  # blocks 0, 1 full (hashed), 2 partial
+    table.append_tokens([1, 2, 3, 4, 5])  # blocks 1, 2 full (hashed), 3 partial
     with pytest.raises(InvalidBlockError, match="it is used"):
-        pool.remove_blocks([3, 2])
+        pool.remove_blocks([4, 3])
     assert pool.num_blocks == 6, "a refused removal changes nothing"
-    table.free()  # 0 and 1 stay cached, 2 is free
-    assert pool.evictable_block_ids() == [1, 0]
-    assert pool.remove_blocks([0, 2, 5]) == 1  # one cached block evicted
-    assert pool.online_block_ids() == [1, 3, 4]
-    assert pool.evictable_block_ids() == [1] and pool.free_block_ids() == [3, 4]
-    assert not pool.prefix_cache.is_cached(0) and pool.stats().num_evictions == 1
+    table.free()  # 1 and 2 stay cached, 3 is free
+    assert pool.evictable_block_ids() == [2, 1]
+    assert pool.remove_blocks([1, 3, 6]) == 1  # one cached block evicted
+    assert pool.online_block_ids() == [2, 4, 5]
+    assert pool.evictable_block_ids() == [2] and pool.free_block_ids() == [4, 5]
+    assert not pool.prefix_cache.is_cached(1) and pool.stats().num_evictions == 1
     pool.check_invariants()
 
 
 def test_relocate_moves_references_filled_slots_and_the_prefix_cache_entry():
-    pool = BlockPool(8, block_size=2)
+    pool = make_pool(range(1, 9), 9, block_size=2)
     writer = BlockTable(pool)
-    writer.append_tokens([1, 2, 3, 4, 5])  # blocks 0, 1 (hashed), 2 (1 of 2 slots)
+    writer.append_tokens([1, 2, 3, 4, 5])  # blocks 1, 2 (hashed), 3 (1 of 2 slots)
     reader = writer.fork()
-    pool.remove_blocks([3, 4])  # so the new ids are visibly the next free ones: 5, 6, 7
-    old_to_new = pool.relocate_blocks([0, 1, 2])
-    assert old_to_new == {0: 5, 1: 6, 2: 7}
+    pool.remove_blocks([4, 5])  # so the new ids are visibly the next free ones: 6, 7, 8
+    old_to_new = pool.relocate_blocks([1, 2, 3])
+    assert old_to_new == {1: 6, 2: 7, 3: 8}
     assert writer.remap(old_to_new) == 3 and reader.remap(old_to_new) == 3
-    assert writer.block_ids == reader.block_ids == [5, 6, 7]
-    assert [pool.ref_count(b) for b in (5, 6, 7)] == [2, 2, 2]
-    assert sorted(pool.free_block_ids()) == [0, 1, 2] and pool.stats().num_unfilled_slots == 1
-    assert pool.prefix_cache.entry(6).token_ids == (3, 4) and not pool.prefix_cache.is_cached(1)
+    assert writer.block_ids == reader.block_ids == [6, 7, 8]
+    assert [pool.ref_count(b) for b in (6, 7, 8)] == [2, 2, 2]
+    assert sorted(pool.free_block_ids()) == [1, 2, 3] and pool.stats().num_unfilled_slots == 1
+    assert pool.prefix_cache.lookup(writer.block_hashes[1], [3, 4]) == 7
+    assert not pool.prefix_cache.is_cached(2)
     pool.check_invariants()
     writer.free()
     reader.free()
-    assert BlockTable(pool).take_cached_prefix([1, 2, 3, 4, 9]) == 4  # hits at 5 and 6
+    assert BlockTable(pool).take_cached_prefix([1, 2, 3, 4, 9]) == 4  # hits at 6 and 7
 
 
 def test_relocate_is_all_or_nothing():
-    pool = BlockPool(4, block_size=2)
+    pool = make_pool(range(1, 5), 5, block_size=2)
     table = BlockTable(pool)
-    table.append_tokens([1, 2, 3, 4, 5, 6])  # blocks 0, 1, 2
+    table.append_tokens([1, 2, 3, 4, 5, 6])  # blocks 1, 2, 3
     with pytest.raises(OutOfBlocksError):
-        pool.relocate_blocks([0, 1])
+        pool.relocate_blocks([1, 2])
     with pytest.raises(InvalidBlockError, match="not used"):
-        pool.relocate_blocks([0, 3])
-    assert pool.free_block_ids() == [3] and table.block_ids == [0, 1, 2]
+        pool.relocate_blocks([1, 4])
+    assert pool.free_block_ids() == [4] and table.block_ids == [1, 2, 3]
     pool.check_invariants()
 
 
 def test_reset_makes_a_quiescent_pool_look_new():
-    pool = BlockPool(4, block_size=2, capacity_blocks=6)
-    pool.add_blocks([5])
+    pool = make_pool(range(1, 5), 7, block_size=2)
+    pool.add_blocks([6])
     table = BlockTable(pool)
     table.append_tokens([1, 2, 3, 4, 5])
     with pytest.raises(InvalidBlockError, match="used blocks"):
         pool.reset()
     table.free()
     pool.reset()
-    assert pool.free_block_ids() == [0, 1, 2, 3, 5] and pool.num_cached_blocks == 0
+    assert pool.free_block_ids() == [1, 2, 3, 4, 6] and pool.num_cached_blocks == 0
     assert len(pool.prefix_cache) == 0
     stats = pool.stats()
     assert (stats.num_allocations, stats.num_frees, stats.num_evictions) == (0, 0, 0)
@@ -137,7 +148,8 @@ SEGMENTS = st.integers(min_value=0, max_value=NUM_SEGMENTS - 1)
 
 
 def _segment_ids(segment: int) -> list[int]:
-    return list(range(segment * SEGMENT_BLOCKS, (segment + 1) * SEGMENT_BLOCKS))
+    first = 1 + segment * SEGMENT_BLOCKS  # after the null block
+    return list(range(first, first + SEGMENT_BLOCKS))
 
 
 class OnlineBlockPoolMachine(RuleBasedStateMachine):
@@ -148,7 +160,7 @@ class OnlineBlockPoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(0, BLOCK_SIZE, capacity_blocks=SEGMENT_BLOCKS * NUM_SEGMENTS)
+        self.pool = ResizableBlockPool(1 + SEGMENT_BLOCKS * NUM_SEGMENTS, KVLayout(BLOCK_SIZE))
         self.pool.add_blocks(_segment_ids(0) + _segment_ids(1))
         self.online = {0, 1}
         self.tables: dict[int, BlockTable] = {}
@@ -250,11 +262,7 @@ class OnlineBlockPoolMachine(RuleBasedStateMachine):
             assert self.pool.ref_count(block_id) == owners[block_id]
         for seq, table in self.tables.items():
             assert table.token_ids == self.expected[seq]
-            for index, block_id in enumerate(table.block_ids):
-                entry = self.pool.prefix_cache.entry(block_id)
-                if entry is not None:
-                    start = index * BLOCK_SIZE
-                    assert entry.token_ids == tuple(table.token_ids[start : start + BLOCK_SIZE])
+        assert_cached_blocks_hold_table_tokens(self.pool, self.tables.values())
 
 
 OnlineBlockPoolMachine.TestCase.settings = settings(

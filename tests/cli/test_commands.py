@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kvpool.cli import build_parser, main
-from kvpool.commands import chat
+from kvpool.cli import build_parser, chat, main
 
 
 def test_generate_prints_each_completion(capsys):
@@ -28,6 +27,22 @@ def test_chat_streams_replies_and_keeps_the_conversation():
     assert transcript.count("> ") == 5  # four turns and the /exit prompt
     replies = [line for line in transcript.splitlines()[1:] if line.strip()]
     assert len(replies) >= 3
+
+
+def test_stream_reply_returns_exactly_the_text_it_streamed(smollm2):
+    from kvpool.engine.config import EngineConfig
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.sampling_params import SamplingParams
+    from kvpool.engine.setup import build_engine_parts
+
+    config = EngineConfig(kv_cache_memory=64 << 20, enable_warmup=False)
+    engine = LLMEngine(config, build_engine_parts(config, smollm2))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    stdout = io.StringIO()
+    reply = chat.stream_reply(engine, [{"role": "user", "content": "Hi!"}], params, stdout)
+    assert reply.strip()
+    assert stdout.getvalue() == reply + "\n"
+    assert not engine.has_unfinished_requests()
 
 
 def test_bad_engine_flags_fail_with_a_clear_message(capsys):

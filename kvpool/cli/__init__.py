@@ -1,8 +1,10 @@
-"""The `kvpool` command line: one subcommand per module, registered below.
+"""The `kvpool` command line: one module per command in this package, registered below.
 
-Each module in `SUBCOMMAND_MODULES` exposes `register(subparsers)`, which adds its parser and
-sets `func(args) -> int`. Registration must stay light (heavy imports happen inside `func`),
-so `kvpool --help` answers at once.
+Each module in `COMMAND_MODULES` exposes `register(subparsers)`, which adds its parser and sets
+`func(args) -> int`. Registration must stay light: a command imports torch, the model or the
+server inside its `func`, so `kvpool --help` answers at once (tests/cli/test_main.py checks that
+building the parser imports no torch). The flags every engine-running command shares live in
+`kvpool.cli.args`, defined once.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import sys
 from collections.abc import Sequence
 from importlib import import_module
 
-SUBCOMMAND_MODULES = (
-    "kvpool.demo",
-    "kvpool.commands.generate",
-    "kvpool.commands.chat",
-    "kvpool.bench.cli",
-    "kvpool.sim.cli",
-    "kvpool.server.serve",
+COMMAND_MODULES = (
+    "kvpool.cli.demo",
+    "kvpool.cli.generate",
+    "kvpool.cli.chat",
+    "kvpool.cli.serve",
+    "kvpool.cli.simulate",
+    "kvpool.cli.bench",
 )
 
 
@@ -27,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpool", description="LLM inference on a paged, dynamic KV-cache memory pool."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module_name in SUBCOMMAND_MODULES:
+    for module_name in COMMAND_MODULES:
         import_module(module_name).register(subparsers)
     return parser
 
@@ -43,7 +45,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpool.cli import main
-from kvpool.demo import DEMO_QUESTIONS, SEED_EXPERIMENTS
+from kvpool.cli.demo import DEMO_QUESTIONS
+from kvpool.experiments import SEED_EXPERIMENTS
 
 
 def test_demo_generates_replies_and_reports_memory(capsys: pytest.CaptureFixture[str]) -> None:
@@ -25,7 +26,7 @@ def test_demo_runs_every_experiment_and_reports_memory(capsys: pytest.CaptureFix
     assert main(["demo", "--experiments"]) == 0
     out = capsys.readouterr().out
     for name in SEED_EXPERIMENTS:
-        assert f"[examples/{name}.py]" in out
+        assert f"[kvpool.experiments.{name}]" in out
     assert "== memory report" in out
     report = out.split("== memory report", 1)[1].splitlines()
     rows = {line.split()[1]: line.split()[2:] for line in report if line[:1].isdigit()}

@@ -4,12 +4,13 @@ Request A takes two blocks; a second request shares A's first block (its prompt 
 taking a reference on it. Releasing in any order returns a block only when its last holder lets
 go, and at the end every block is free again. A double free is refused and changes nothing.
 
-Run: python examples/01_refcount.py
+Run: python -m kvpool.experiments.refcount
 """
 
 from __future__ import annotations
 
 from kvpool.memory import BlockPool, InvalidBlockError
+from kvpool.memory.kv_layout import KVLayout
 
 NUM_BLOCKS = 16
 
@@ -21,7 +22,7 @@ def show(pool: BlockPool, what: str, block_ids: list[int]) -> None:
 
 def main() -> BlockPool:
     """Run the experiment; returns the pool so a caller can report on it."""
-    pool = BlockPool(num_blocks=NUM_BLOCKS, block_size=16)
+    pool = BlockPool(NUM_BLOCKS, KVLayout(16))
     first_id, second_id = pool.allocate(2)
     show(pool, "request A allocates 2 blocks:", [first_id, second_id])
 

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from kvpool.engine.args import (
+from kvpool.cli.args import (
     add_engine_args,
     add_sampling_args,
     engine_config_from_args,
     sampling_params_from_args,
 )
+
+if TYPE_CHECKING:
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.sampling_params import SamplingParams
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,16 +53,23 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sy
         messages.append({"role": "assistant", "content": reply})
 
 
-def stream_reply(engine, messages, params, stdout: TextIO) -> str:
-    """Generate one reply, printing text as it arrives; returns the whole reply."""
+def stream_reply(
+    engine: LLMEngine, messages: list[dict[str, str]], params: SamplingParams, stdout: TextIO
+) -> str:
+    """Generate one reply, printing text as it arrives; returns the whole reply.
+
+    The reply is built from the `RequestOutput`s that `engine.step()` returns for this request
+    (each carries the completion's text so far), never from the engine's internal sequences.
+    """
     prompt = engine.tokenizer.apply_chat_template(messages)
-    request = engine.add_request({"prompt_token_ids": prompt}, params)
-    printed = 0
-    while not request.is_finished:
+    request_id = engine.add_request({"prompt_token_ids": prompt}, params).request_id
+    reply, is_finished = "", False
+    while not is_finished and engine.has_unfinished_requests():
         for output in engine.step():
-            if output.request_id == request.request_id:
-                text = output.outputs[0].text
-                print(text[printed:], end="", file=stdout, flush=True)
-                printed = len(text)
+            if output.request_id != request_id:
+                continue
+            text = output.outputs[0].text
+            print(text[len(reply):], end="", file=stdout, flush=True)
+            reply, is_finished = text, output.finished
     print(file=stdout)
-    return request.sequences[0].text
+    return reply

@@ -1,4 +1,6 @@
-"""Command-line flags for the engine, with vLLM's names, shared by every command that runs it.
+"""The flags every engine-running command shares, defined once: engine flags with vLLM's
+names (`add_engine_args` -> `engine_config_from_args`), sampling flags (`add_sampling_args` ->
+`sampling_params_from_args`) and `parse_size` for byte sizes such as `512MiB`.
 
 Light on purpose (no torch): commands register these flags when `kvpool --help` builds its
 parser.
@@ -13,7 +15,8 @@ import re
 from kvpool.attention.selector import ATTENTION_BACKENDS
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.memory.elastic_pool import KV_POOL_MODES, ElasticPoolConfig
+from kvpool.memory.elastic_pool import ElasticPoolConfig
+from kvpool.memory.kv_pool import KV_POOL_MODES
 
 _SIZE_UNITS = {
     "": 1,
@@ -39,19 +42,11 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Add the engine flags; the model is `--model`, or a positional MODEL (as `vllm serve`)."""
     group = parser.add_argument_group("engine")
+    model_help = "GGUF file, HF directory or dummy preset (default: SmolLM2)"
     if model_positional:
-        group.add_argument(
-            "model",
-            nargs="?",
-            default=None,
-            help="GGUF file, HF directory or dummy preset (default: SmolLM2)",
-        )
+        group.add_argument("model", nargs="?", default=None, help=model_help)
     else:
-        group.add_argument(
-            "--model",
-            default=None,
-            help="GGUF file, HF directory or dummy preset (default: SmolLM2)",
-        )
+        group.add_argument("--model", default=None, help=model_help)
     group.add_argument(
         "--load-format", default="auto", choices=("auto", "gguf", "safetensors", "dummy")
     )

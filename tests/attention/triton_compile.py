@@ -5,7 +5,10 @@ be compiled to machine code for, say, sm_90 (H100/H200) on any CPU. That proves 
 for the real hardware (the interpreter checks only their arithmetic), and cuobjdump's resource
 report says what each one costs: registers per thread, local memory (spills) and shared memory.
 
-Kernels must be imported in compiled mode (not under TRITON_INTERPRET).
+Kernels must be imported in compiled mode (not under TRITON_INTERPRET). A test helper, not part
+of the library: it reaches into Triton's compiler internals (`ASTSource`, `GPUTarget`), and only
+`test_triton_kernels.py::test_kernels_compile_for_sm90_without_spills` uses it. From the
+repository root: `python -c "from tests.attention.triton_compile import compile_all; ..."`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpool.engine.args import (
+from kvpool.cli.args import (
     add_engine_args,
     add_sampling_args,
     engine_config_from_args,

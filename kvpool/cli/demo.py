@@ -3,29 +3,21 @@
 It answers a batch of chat questions that share a system prompt on the default model, then
 prints a memory report: peak blocks, prefix-cache hits, preemptions, and the KV memory a
 contiguous max-length reservation per request would have needed for the same batch.
-`--experiments` instead runs the seed's four memory experiments (the scripts in `examples/`,
-loaded from the source tree so their code lives in one place).
+`--experiments` instead runs the seed's four memory experiments (`kvpool.experiments`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
-from types import ModuleType
+from importlib import import_module
 from typing import TYPE_CHECKING
 
+from kvpool.experiments import SEED_EXPERIMENTS
+
 if TYPE_CHECKING:
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.outputs import RequestOutput
     from kvpool.memory import BlockPool, BlockPoolStats
-
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
-SEED_EXPERIMENTS = (
-    "01_refcount",
-    "02_block_table",
-    "03_fragmentation",
-    "04_prefix_sharing",
-)
-
 
 DEMO_SYSTEM_PROMPT = (
     "You are a concise assistant for a lighthouse museum. Answer in one or two sentences, "
@@ -76,19 +68,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_engine_report(llm, outputs, max_tokens: int) -> str:
+def format_engine_report(llm: LLM, outputs: list[RequestOutput], max_tokens: int) -> str:
     """Peak KV use of the batch against a contiguous max-length reservation per request."""
     engine = llm.engine
-    stats, pool = engine.stats(), engine.memory_stats()
-    bytes_per_token = engine.kv_cache.bytes_per_block / pool.block_size
-    peak_bytes = stats.peak_used_blocks * engine.kv_cache.bytes_per_block
-    contiguous_bytes = len(outputs) * engine.max_model_len * bytes_per_token
+    stats, pool, layout = engine.stats(), engine.memory_stats(), engine.kv_memory.layout
+    peak_bytes = stats.peak_used_blocks * layout.bytes_per_block
+    contiguous_bytes = len(outputs) * engine.max_model_len * layout.bytes_per_token
     hit_rate = pool.prefix_cache_hits_tokens / max(pool.prefix_cache_queries_tokens, 1)
     cached = sum(output.num_cached_tokens for output in outputs)
     lines = [
         f"requests                        {len(outputs)} (max_tokens {max_tokens})",
         f"KV block                        {pool.block_size} tokens, "
-        f"{engine.kv_cache.bytes_per_block / 2**10:.0f} KiB",
+        f"{layout.bytes_per_block / 2**10:.0f} KiB",
         f"peak blocks used                {stats.peak_used_blocks} of {pool.num_blocks} "
         f"({peak_bytes / 2**20:.1f} MiB)",
         f"prefix-cache hit rate           {hit_rate:.1%} ({cached} prompt tokens reused)",
@@ -104,29 +95,14 @@ def run_seed_experiments() -> int:
     """Run every seed experiment, then report the memory of each experiment's pool."""
     reports: list[tuple[str, BlockPoolStats]] = []
     for index, name in enumerate(SEED_EXPERIMENTS, start=1):
-        module = load_example(name)
+        module = import_module(f"kvpool.experiments.{name}")
         title = (module.__doc__ or name).strip().splitlines()[0].rstrip(".")
-        print(f"\n== {title}  [examples/{name}.py]")
+        print(f"\n== {title}  [{module.__name__}]")
         pool: BlockPool = module.main()
-        reports.append((f"{index}. {name[3:]}", pool.stats()))
+        reports.append((f"{index}. {name}", pool.stats()))
     print("\n== memory report (BlockPool.stats() at the end of each experiment)")
     print(format_memory_report(reports))
     return 0
-
-
-def load_example(name: str) -> ModuleType:
-    """Import `examples/<name>.py` by path (example names are not importable identifiers)."""
-    path = EXAMPLES_DIR / f"{name}.py"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: `kvpool demo` runs the examples of a source checkout "
-            "(install with `pip install -e .` from the repository)"
-        )
-    spec = importlib.util.spec_from_file_location(f"kvpool_example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 _REPORT_COLUMNS = (

@@ -4,12 +4,13 @@ Two sequences grow in turns, as a server interleaves requests, so sequence A's b
 contiguous in the pool. A new block is taken only when the last one is full (one token at a
 time, as decode appends), and every token's KV slot is `block_id * block_size + offset`.
 
-Run: python examples/02_block_table.py
+Run: python -m kvpool.experiments.block_table
 """
 
 from __future__ import annotations
 
 from kvpool.memory import BlockPool, BlockTable
+from kvpool.memory.kv_layout import KVLayout
 
 BLOCK_SIZE = 4
 
@@ -35,27 +36,26 @@ def print_table(name: str, table: BlockTable) -> None:
 
 def main() -> BlockPool:
     """Run the experiment; returns the pool so a caller can report on it."""
-    pool = BlockPool(num_blocks=16, block_size=BLOCK_SIZE)
+    pool = BlockPool(16, KVLayout(BLOCK_SIZE))
     table_a, table_b = BlockTable(pool), BlockTable(pool)
-    table_a.append_tokens(list(range(100, 106)))  # A's prompt: 6 tokens -> blocks 0, 1
-    table_b.append_tokens(list(range(200, 205)))  # B's prompt: 5 tokens -> blocks 2, 3
+    table_a.append_tokens(list(range(100, 106)))  # A's prompt: 6 tokens -> blocks 1, 2
+    table_b.append_tokens(list(range(200, 205)))  # B's prompt: 5 tokens -> blocks 3, 4
     new_block_positions = append_one_at_a_time(table_a, list(range(106, 113)))  # A decodes 7
     print(f"A decoded 7 tokens; a new block was taken only at positions {new_block_positions}")
     assert new_block_positions == [8, 12]
 
     print_table("A", table_a)
     print_table("B", table_b)
-    assert table_a.block_ids == [0, 1, 4, 5] and table_b.block_ids == [2, 3]
+    assert table_a.block_ids == [1, 2, 5, 6] and table_b.block_ids == [3, 4]
 
+    layout = pool.layout  # owns the slot formula
     for position in (0, 5, 8, 12):
         block_id, offset = table_a.block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE
-        print(f"  A position {position:2d} -> slot {table_a.slot(position):2d}"
+        slot = layout.slot(table_a.block_ids, position)
+        print(f"  A position {position:2d} -> slot {slot:2d}"
               f" = block {block_id} * {BLOCK_SIZE} + offset {offset}")
-    assert table_a.slots(0, table_a.num_tokens) == [
-        table_a.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-        for p in range(table_a.num_tokens)
-    ]
-    print(f"slot mapping of A's 7 decoded tokens: {table_a.slots(6, 13)}")
+        assert slot == block_id * BLOCK_SIZE + offset
+    print(f"slot mapping of A's 7 decoded tokens: {layout.slot_mapping(table_a.block_ids, 6, 13)}")
 
     table_a.free()
     table_b.free()

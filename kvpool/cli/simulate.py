@@ -1,7 +1,8 @@
 """`kvpool simulate`: replay a request trace through every allocation strategy.
 
-Registration only builds the parser; the simulator (and torch, for the arena's meta buffer)
-loads when the command runs.
+This module owns the command: its flags, building the trace they describe, and printing the
+results. The simulator itself is `kvpool.sim`. Registration only builds the parser; the
+simulator (and torch, for the arena's meta buffer) loads when the command runs.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from kvpool.engine.args import parse_size
+from kvpool.cli.args import parse_size
 from kvpool.sim.model_shape import KV_SHAPES
 
 if TYPE_CHECKING:
     from kvpool.sim.trace import Request
+
 
 def parse_int_list(text: str) -> tuple[int, ...]:
     try:

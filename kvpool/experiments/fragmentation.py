@@ -9,12 +9,13 @@ gets 25 blocks from the very same state.
 (The seed runs only A and B. Then blocks 50..99 stay free and C fits there contiguously; the
 last line of output shows it. Request D is what makes the fragmentation bite.)
 
-Run: python examples/03_fragmentation.py
+Run: python -m kvpool.experiments.fragmentation
 """
 
 from __future__ import annotations
 
 from kvpool.memory import BlockPool
+from kvpool.memory.kv_layout import KVLayout
 
 NUM_BLOCKS = 100
 
@@ -83,14 +84,15 @@ def run_contiguous() -> int | None:
 
 
 def run_paged() -> BlockPool:
-    pool = BlockPool(num_blocks=NUM_BLOCKS, block_size=16)
+    pool = BlockPool(NUM_BLOCKS, KVLayout(16))
     blocks_a, _blocks_b, _blocks_d = pool.allocate(20), pool.allocate(30), pool.allocate(40)
     pool.free(reversed(blocks_a))
     print(f"paged:      A freed -> {pool.num_free_blocks} blocks free")
     blocks_c = pool.allocate(25)
-    # A's blocks were freed tail first, so the LIFO free stack hands them back 0, 1, ..., 19.
-    assert blocks_c == [*range(20), *range(90, 95)] and pool.num_free_blocks == 5
-    print("paged:      C asks for 25 blocks -> succeeds with blocks 0..19 and 90..94 "
+    # A's blocks were freed tail first, so the LIFO free stack hands them back 1, 2, ..., 20
+    # (id 0 is the null block, never handed out).
+    assert blocks_c == [*range(1, 21), *range(91, 96)] and pool.num_free_blocks == 5
+    print("paged:      C asks for 25 blocks -> succeeds with blocks 1..20 and 91..95 "
           "(not adjacent, and it does not need them to be)")
     return pool
 

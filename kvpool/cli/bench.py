@@ -1,0 +1,102 @@
+"""`kvpool bench blocks | throughput | serve`: the benchmark commands' flags.
+
+This module owns only the parsers. Each benchmark's logic lives in its own module,
+`kvpool.bench.blocks`, `kvpool.bench.throughput` and `kvpool.bench.serve`, whose
+`run(args, ...)` prints a table, or one JSON object with `--json`. Those modules are imported
+when a benchmark runs, never when the parser is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from kvpool.cli.args import add_engine_args, engine_config_from_args
+
+DEFAULT_VOCAB_SIZE = 512  # --vocab-size: every preset's vocabulary is at least this large
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks: a readable table, or one JSON object with --json"
+    )
+    bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    for register_bench in (_register_blocks, _register_throughput, _register_serve):
+        register_bench(bench_subparsers)
+
+
+def _register_blocks(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "blocks", help="allocate/free, append and prefix-lookup speed of the block pool"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="few iterations (for tests)")
+    parser.add_argument("--repeats", type=int, help="repeats per measurement")
+    parser.add_argument("--block-size", type=int, help="tokens per block (default 16)")
+    parser.set_defaults(func=run_blocks)
+
+
+def _register_throughput(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "throughput", help="offline throughput on a seeded workload, optionally vs transformers"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64)
+    _add_length_args(parser, input_len=(32, 512), output_len=(64, 256))
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--baseline", choices=("none", "hf"), default="none")
+    parser.add_argument("--baseline-batch-size", type=int, default=16)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(parser)
+    parser.set_defaults(func=run_throughput)
+
+
+def _register_serve(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "serve", help="online latency/throughput over HTTP (own server, or --base-url)"
+    )
+    parser.add_argument("--base-url", default=None, help="a running server (default: start one)")
+    parser.add_argument("--served-model-name", default=None, help="`model` to send")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                        help="with --base-url: prompt token ids are drawn below this")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second, Poisson arrivals (default inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    _add_length_args(parser, input_len=(64, 256), output_len=(32, 128))
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def _add_length_args(
+    parser: argparse.ArgumentParser, input_len: tuple[int, int], output_len: tuple[int, int]
+) -> None:
+    """`--input-len MIN MAX` and `--output-len MIN MAX`: each request's length is uniform in
+    the range."""
+    parser.add_argument("--input-len", type=int, nargs=2, default=input_len, metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=output_len, metavar=("MIN", "MAX")
+    )
+
+
+def run_blocks(args: argparse.Namespace) -> int:
+    from kvpool.bench import blocks
+
+    return blocks.run(args)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from kvpool.bench import throughput
+
+    return throughput.run(args, engine_config_from_args(args))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvpool.bench import serve
+
+    # Against a running server (--base-url) the engine flags describe nothing: no config.
+    engine_config = engine_config_from_args(args) if args.base_url is None else None
+    return serve.run(args, engine_config)

@@ -1,1 +1,0 @@
-"""The user-facing commands of the `kvpool` CLI that run the engine: generate, chat."""

@@ -1,0 +1,122 @@
+"""The KV layout: the one owner of every fact about how KV is cut into blocks and laid out.
+
+Block size, layer count, KV heads, head dim and KV dtype are decided once, at start-up
+(`KVLayout.for_model`), and every consumer (block pool, block tables, KV tensors, model runner,
+attention metadata, sizing) is handed this object, never a copy of its fields. Every block
+count, slot and byte size is a method here, so the formulas exist once:
+
+    slot of token position p   =  block_ids[p // block_size] * block_size + p % block_size
+    blocks for n tokens        =  ceil(n / block_size)
+    bytes per block            =  num_layers * 2 (K, V) * block_size * num_kv_heads * head_dim
+                                  * element size of dtype
+
+The KV tensor is block-major (see `kvpool.memory.kv_cache`):
+`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; `tensor_shape` says so and
+`check_tensor` asserts it.
+
+The dtype is kept by name so that the pure-Python memory core (block pool, tables, prefix
+cache) never imports torch; `torch_dtype` converts. Quantized KV (a storage dtype other than
+the model's, with scales beside the blocks) extends this object: bytes per block then include
+the scales, and every capacity figure follows from `bytes_per_block`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.model.config import ModelConfig
+
+# Bytes per element of each KV storage dtype, by torch's name for it.
+KV_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-numerator // denominator)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How one block of KV is shaped and sized. The pure-Python memory core needs only
+    `block_size`, so the other fields default to a one-element block."""
+
+    block_size: int = 16
+    num_layers: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.dtype not in KV_DTYPE_SIZES:
+            raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPE_SIZES)}, got {self.dtype}")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
+        """The layout of a model's KV cache in `dtype` with blocks of `block_size` tokens."""
+        name = str(dtype).removeprefix("torch.")
+        return cls(block_size, config.num_layers, config.num_kv_heads, config.head_dim, name)
+
+    # ------------------------------------------------------------ tokens
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: every block full but the last."""
+        return cdiv(num_tokens, self.block_size)
+
+    def slot(self, block_ids: Sequence[int], position: int) -> int:
+        """The KV slot of the token at `position` of a sequence with these blocks."""
+        size = self.block_size
+        return block_ids[position // size] * size + position % size
+
+    def slot_mapping(self, block_ids: Sequence[int], start: int, end: int) -> list[int]:
+        """Slots of positions start..end-1 (a step's new tokens)."""
+        size = self.block_size
+        return [block_ids[p // size] * size + p % size for p in range(start, end)]
+
+    # ------------------------------------------------------------- bytes
+    @property
+    def element_size(self) -> int:
+        return KV_DTYPE_SIZES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block: `[num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def num_blocks_for_memory(self, memory_bytes: int) -> int:
+        """How many whole blocks a memory budget holds; ValueError if not even one."""
+        if memory_bytes < self.bytes_per_block:
+            raise ValueError(f"a KV budget of {memory_bytes} bytes cannot hold one block "
+                             f"({self.bytes_per_block} bytes)")
+        return memory_bytes // self.bytes_per_block
+
+    # ------------------------------------------------------------ tensors
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+        return (num_blocks, *self.block_shape)
+
+    def check_tensor(self, tensor: torch.Tensor) -> None:
+        """Assert that `tensor` is a whole KV cache of this layout (any number of blocks)."""
+        assert tuple(tensor.shape[1:]) == self.block_shape, (
+            f"KV tensor shape {tuple(tensor.shape)} does not match the layout {self}")
+        assert tensor.dtype == self.torch_dtype, f"KV tensor dtype {tensor.dtype} != {self.dtype}"

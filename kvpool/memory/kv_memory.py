@@ -1,0 +1,111 @@
+"""The engine's KV memory as one object: layout, arena, KV tensors, block pool and its sizing.
+
+    KVMemory
+      layout      KVLayout: block size, shape, dtype, bytes per block (the one owner)
+      arena       one reservation of (num_blocks + 1) blocks, the null block included
+      kv_cache    KVCache over the arena: [num_blocks + 1, num_layers, 2, block_size, ...]
+      pool        BlockPool (static) or ResizableBlockPool (elastic) of block ids
+      sizing      StaticKVPool (never resizes) or ElasticKVPool (segments grow and shrink)
+
+Everything above it (the KV cache manager, the engine, warm-up, the async engine's snapshots)
+reaches KV memory through this object only: its queries (`max_num_blocks`, `can_ever_fit`),
+growth on demand (`grow_until_allocatable`), the between-steps policy (`maybe_resize`),
+`reset`, and statistics. `watermark_blocks` (the blocks admission leaves free for running
+sequences) is derived here once, from the pool's largest size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from kvpool.memory.arena import Arena
+from kvpool.memory.arena_free_list import align_up
+from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolStats
+from kvpool.memory.block_table import BlockTable
+from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
+from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
+from kvpool.memory.resizable_block_pool import ResizableBlockPool
+
+
+class KVMemory:
+    """`num_blocks` usable KV blocks of `layout`, reserved at once on `device`."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+        *,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.0,
+        elastic: ElasticPoolConfig | None = None,
+    ) -> None:
+        """A static pool, or an elastic one when `elastic` is given; `watermark` is the
+        fraction of the largest pool that admission keeps free (and, for an elastic pool, its
+        low watermark: it grows when fewer blocks are allocatable)."""
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.layout = layout
+        self.watermark_blocks = int(watermark * num_blocks)
+        bytes_per_block = layout.bytes_per_block
+        num_rows = num_blocks + 1  # the null block first
+        self.arena = Arena.reserve(align_up(num_rows * bytes_per_block, 256), device)
+        if elastic is None:
+            handle = self.arena.allocate(num_rows * bytes_per_block, alignment=bytes_per_block)
+            storage = self.arena.buffer[handle.offset : handle.offset + handle.nbytes]
+            self.kv_cache = KVCache(layout, num_rows, device, storage)
+            self.pool: BlockPool = BlockPool(num_blocks, layout, enable_prefix_caching)
+            self.sizing: KVPool = StaticKVPool(self.pool, self.kv_cache, self.arena)
+            return
+        capacity_blocks = self.arena.num_reserved_bytes // bytes_per_block
+        self.kv_cache = KVCache(layout, capacity_blocks, device, self.arena.buffer)
+        self.pool = ResizableBlockPool(capacity_blocks, layout, enable_prefix_caching)
+        elastic = dataclasses.replace(elastic, low_watermark_blocks=self.watermark_blocks)
+        self.sizing = ElasticKVPool(self.pool, self.kv_cache, self.arena, elastic)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def max_num_blocks(self) -> int:
+        """Blocks the pool holds at its largest: what a single sequence can ever use."""
+        return self.sizing.max_num_blocks
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` tokens fit in the whole pool at its largest, alone."""
+        return self.layout.num_blocks_for_tokens(num_tokens) <= self.max_num_blocks
+
+    # --------------------------------------------------------------- resizing
+    def grow_until_allocatable(self, num_blocks: int) -> bool:
+        """Grow (an elastic pool, a segment at a time) until `num_blocks` blocks are
+        allocatable; False if the budget cannot give them (a static pool never grows)."""
+        while self.pool.num_allocatable_blocks < num_blocks:
+            if not self.sizing.grow():
+                return False
+        return True
+
+    def maybe_resize(self, now: float, block_tables: Iterable[BlockTable]) -> None:
+        """The between-steps grow/shrink policy; `block_tables` must be every live table
+        (read only if blocks have to move); `now` in seconds (time.monotonic)."""
+        self.sizing.maybe_resize(now, block_tables)
+
+    def reset(self) -> None:
+        """With no block used: back to the start-up state, every counter zero."""
+        self.sizing.reset()
+
+    # -------------------------------------------------------------- reporting
+    def block_stats(self) -> BlockPoolStats:
+        return self.pool.stats()
+
+    def pool_stats(self) -> KVPoolStats:
+        """Online blocks, segments, grows, shrinks, migrations, arena bytes."""
+        return self.sizing.stats()
+
+    def check_invariants(self) -> None:
+        """Assert every invariant of the pool, its sizing and its tensors (for tests)."""
+        self.layout.check_tensor(self.kv_cache.tensor)
+        assert not self.kv_cache.tensor[NULL_BLOCK_ID].any(), "the null block was written"
+        self.sizing.check_invariants()

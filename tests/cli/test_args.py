@@ -1,0 +1,61 @@
+"""The shared engine and sampling flags reach `EngineConfig` and `SamplingParams`; sizes parse."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpool.cli.args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    parse_size,
+    sampling_params_from_args,
+)
+
+
+def test_kv_pool_flags_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-pool", "elastic", "--kv-pool-initial-blocks", "0",
+                              "--kv-pool-segment-blocks", "32", "--kv-pool-idle-seconds", "2.5",
+                              "--no-enable-warmup"])
+    config = engine_config_from_args(args)
+    assert (config.kv_pool, config.kv_pool_initial_blocks, config.kv_pool_segment_blocks,
+            config.kv_pool_idle_seconds, config.enable_warmup) == ("elastic", 0, 32, 2.5, False)
+    assert engine_config_from_args(parser.parse_args([])).kv_pool == "static"
+
+
+def test_engine_flags_have_vllm_names_and_the_model_can_be_positional():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, model_positional=True)
+    args = parser.parse_args(["m.gguf", "--kv-cache-memory", "512MiB", "--max-num-seqs", "8",
+                              "--no-enable-prefix-caching", "--block-size", "32"])
+    config = engine_config_from_args(args)
+    assert (config.model, config.kv_cache_memory, config.max_num_seqs) == ("m.gguf", 512 << 20, 8)
+    assert (config.enable_prefix_caching, config.block_size) == (False, 32)
+
+
+def test_sampling_flags_reach_the_params():
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    args = parser.parse_args(["--max-tokens", "5", "--temperature", "0.5", "-n", "2",
+                              "--stop", "a", "--stop", "b", "--sampling-seed", "7"])
+    params = sampling_params_from_args(args)
+    assert (params.max_tokens, params.temperature, params.n) == (5, 0.5, 2)
+    assert (list(params.stop), params.seed) == (["a", "b"], 7)
+
+
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [("65536", 65536), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), (" 2 kib ", 2048)],
+)
+def test_parse_size(text: str, num_bytes: int) -> None:
+    assert parse_size(text) == num_bytes
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12 parsecs", "-1GB"])
+def test_parse_size_rejects_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size(text)
