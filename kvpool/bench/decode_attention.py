@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.bench.device_timing import median_seconds
+from kvpool.memory.kv_layout import KVLayout
 
 FULL_BATCHES = (1, 16, 64, 256)
 FULL_CONTEXTS = (512, 2048, 8192)
@@ -26,18 +27,20 @@ SWEEP_SHAPES = ((64, 2048), (64, 8192))
 SWEEP_CONFIGS = ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3))
 
 
+# One layer of Llama-3-8B's KV cache in bf16 (frozen, so safe as a shared default).
+LLAMA3_8B_LAYER_KV = KVLayout(block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionLayout:
+    """Query heads over one layer's KV layout (the KV facts are `KVLayout`'s)."""
+
     num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    block_size: int = 16
-    dtype: torch.dtype = torch.bfloat16
+    kv: KVLayout = LLAMA3_8B_LAYER_KV
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_kv_heads * self.head_dim * element_size
+    def dtype(self) -> torch.dtype:
+        return self.kv.torch_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +62,16 @@ def make_case(
     """Random blocks of `kv_cache_layer` for `batch` sequences of `context` tokens."""
     device = kv_cache_layer.device
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    blocks_per_seq = -(-context // layout.block_size)
+    blocks_per_seq = layout.kv.num_blocks_for_tokens(context)
     num_blocks = kv_cache_layer.shape[0]
     assert batch * blocks_per_seq <= num_blocks, "the benchmark cache is too small"
     block_ids = torch.randperm(num_blocks, generator=generator)[: batch * blocks_per_seq]
     block_tables = block_ids.view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
     # [batch, blocks, 2, block_size, Hkv, D] -> [2, batch, Hkv, blocks * block_size, D]
     gathered = kv_cache_layer[block_tables.long()].permute(2, 0, 4, 1, 3, 5)
-    contiguous = gathered.reshape(2, batch, layout.num_kv_heads, -1, layout.head_dim)
+    contiguous = gathered.reshape(2, batch, layout.kv.num_kv_heads, -1, layout.kv.head_dim)
     contiguous = contiguous[:, :, :, :context].contiguous()
-    query = torch.randn(batch, layout.num_heads, layout.head_dim, generator=generator)
+    query = torch.randn(batch, layout.num_heads, layout.kv.head_dim, generator=generator)
     return DecodeCase(
         query=query.to(device=device, dtype=layout.dtype),
         kv_cache_layer=kv_cache_layer,
@@ -107,12 +110,12 @@ def bench_case(case: DecodeCase, layout: AttentionLayout, bandwidth: float) -> d
     from kvpool.attention.triton_decode import choose_num_splits
 
     device = case.query.device
-    scale = layout.head_dim**-0.5
+    scale = layout.kv.head_dim**-0.5
     batch = case.query.shape[0]
     max_abs_diff = (triton_decode(case, scale) - sdpa_decode(case, scale)).abs().max().item()
     triton_s = median_seconds(lambda: triton_decode(case, scale), device)
     sdpa_s = median_seconds(lambda: sdpa_decode(case, scale), device)
-    kv_bytes = batch * case.context * layout.kv_bytes_per_token
+    kv_bytes = batch * case.context * layout.kv.bytes_per_token  # one layer
     num_sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
@@ -121,7 +124,7 @@ def bench_case(case: DecodeCase, layout: AttentionLayout, bandwidth: float) -> d
     return {
         "batch": batch,
         "context": case.context,
-        "num_splits": choose_num_splits(batch, layout.num_kv_heads, case.context, num_sms),
+        "num_splits": choose_num_splits(batch, layout.kv.num_kv_heads, case.context, num_sms),
         "kv_bytes": kv_bytes,
         "triton_us": triton_s * 1e6,
         "sdpa_us": sdpa_s * 1e6,
@@ -138,7 +141,7 @@ def sweep_configs(case: DecodeCase, layout: AttentionLayout) -> list[dict]:
     """Kernel time of each tile configuration on one shape (informs `DecodeConfig`'s default)."""
     from kvpool.attention.triton_decode import DecodeConfig
 
-    scale = layout.head_dim**-0.5
+    scale = layout.kv.head_dim**-0.5
     rows = []
     for block_n, num_warps, num_stages in SWEEP_CONFIGS:
         config = DecodeConfig(block_n, num_warps, num_stages)
@@ -158,9 +161,10 @@ def run(
 ) -> dict:
     """Every (batch, context) shape, then the tile sweep; one cache serves all shapes."""
     layout = layout or AttentionLayout()
-    max_blocks = max(b * -(-c // layout.block_size) for b in batches for c in contexts)
-    shape = (max_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    kv_cache_layer = torch.randn(shape, dtype=layout.dtype, device=device)
+    kv = layout.kv
+    max_blocks = max(b * kv.num_blocks_for_tokens(c) for b in batches for c in contexts)
+    shape = kv.tensor_shape(max_blocks)  # one layer: [max_blocks, 1, 2, block_size, Hkv, D]
+    kv_cache_layer = torch.randn(shape, dtype=layout.dtype, device=device)[:, 0]
     results, sweep = [], []
     for seed, (batch, context) in enumerate((b, c) for b in batches for c in contexts):
         case = make_case(kv_cache_layer, batch, context, layout, seed)
@@ -168,7 +172,8 @@ def run(
         if (batch, context) in sweep_shapes:
             sweep.extend(sweep_configs(case, layout))
         del case
-    layout_json = {**asdict(layout), "dtype": str(layout.dtype).removeprefix("torch.")}
+    layout_json = {"num_heads": layout.num_heads, "num_kv_heads": kv.num_kv_heads,
+                   "head_dim": kv.head_dim, "block_size": kv.block_size, "dtype": kv.dtype}
     return {
         "layout": layout_json,
         "copy_bytes_per_s": bandwidth,

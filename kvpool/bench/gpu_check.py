@@ -75,6 +75,7 @@ def _bandwidth(out_dir: Path, smoke: bool) -> float:
 
 def step_attention(args: argparse.Namespace) -> dict:
     from kvpool.bench import decode_attention
+    from kvpool.memory.kv_layout import KVLayout
 
     bandwidth = _bandwidth(args.out, args.smoke)
     if not args.smoke:
@@ -83,7 +84,7 @@ def step_attention(args: argparse.Namespace) -> dict:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # set before this process imports triton
-    layout = decode_attention.AttentionLayout(8, 2, 32, 16, torch.float32)
+    layout = decode_attention.AttentionLayout(8, KVLayout(16, 1, 2, 32, "float32"))
     return decode_attention.run(_device(), bandwidth, (1, 3), (40, 64), ((3, 64),), layout)
 
 

@@ -25,6 +25,8 @@ import bisect
 from dataclasses import dataclass
 from enum import Enum
 
+from kvpool.memory.kv_layout import cdiv
+
 
 class PlacementPolicy(str, Enum):
     """Which free range a new allocation is carved from."""
@@ -45,7 +47,7 @@ class FreeRange:
 
 
 def align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
+    return cdiv(value, alignment) * alignment
 
 
 class FreeList:
