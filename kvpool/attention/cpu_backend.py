@@ -1,24 +1,28 @@
 """The CPU attention backend: the PyTorch reference, with decode attention done by a C++
-kernel that reads K/V in place through the block tables (`csrc/paged_decode.cpp`).
+kernel that reads K/V in place through the block tables (`kvpool/kernels/csrc/paged_decode.cpp`).
 
 Decode attention dominates a CPU decode step once batches are large, and it is memory-bound:
 the reference gathers every sequence's context into a padded copy and then reads the copy,
 moving the context three times; the kernel reads it once, on torch's own threads. Prefill and
 extend chunks (query_len > 1) keep the reference's one SDPA call each, where the matmuls
-dominate. Inputs the kernel does not cover (other dtypes or devices) take the reference path.
+dominate. The kernel reads float32, bfloat16 and float16 caches in place (16-bit K/V are
+widened as they are loaded; the arithmetic is float32). Inputs it does not cover (other dtypes
+or devices) take the reference path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpool.attention.cpu_kernels import load_cpu_kernels
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend
+from kvpool.kernels.cpu_kernels import load_cpu_kernels
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def paged_decode(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] float32, bfloat16 or float16
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
@@ -45,8 +49,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        is_float32 = query.dtype == kv_cache_layer.dtype == torch.float32
-        if query.device.type != "cpu" or not is_float32:
+        dtypes_served = query.dtype in KERNEL_DTYPES and kv_cache_layer.dtype in KERNEL_DTYPES
+        if query.device.type != "cpu" or not dtypes_served:
             return super()._decode(query, kv_cache_layer, metadata, scale)
         num_decode = query.shape[0]
         return paged_decode(

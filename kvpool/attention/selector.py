@@ -12,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from kvpool.attention.cpu_kernels import (
+from kvpool.kernels.cpu_kernels import (
     CpuKernelsUnavailable,
     cpu_kernels_available,
     load_cpu_kernels,

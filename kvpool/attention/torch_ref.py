@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
 from kvpool.attention.metadata import AttentionMetadata
-from kvpool.memory.kv_cache import write_kv
+from kvpool.kernels.fused import write_kv_
 
 # `enable_gqa` arrived in PyTorch 2.5; older versions get K/V repeated per query head instead.
 SDPA_HAS_GQA = TorchVersion(torch.__version__) >= "2.5"
@@ -174,7 +174,7 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        write_kv(kv_cache_layer, key, value, metadata.slot_mapping)
+        write_kv_(kv_cache_layer, key, value, metadata.slot_mapping)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
         if num_decode:

@@ -11,6 +11,7 @@ for the batch's rows, unless tied to the LM head) plus the K/V of every context 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -51,12 +52,16 @@ def decode_bound(model_config, weight_bytes: int, workload: Workload, bandwidth:
     }
 
 
-def weight_bytes_read_per_step(model: torch.nn.Module, tie_word_embeddings: bool) -> int:
-    tensors = model.checkpoint_tensors()
+def weight_bytes_read_per_step(model_config, dtype: torch.dtype) -> int:
+    """Every weight but the token-embedding table (read only for the batch's rows), unless the
+    table is also the language-model head."""
+    from kvpool.model.llama import checkpoint_shapes
+
+    element_size = torch.empty((), dtype=dtype).element_size()
     return sum(
-        tensor.numel() * tensor.element_size()
-        for name, tensor in tensors.items()
-        if name != "embed_tokens.weight" or tie_word_embeddings
+        math.prod(shape) * element_size
+        for name, shape in checkpoint_shapes(model_config).items()
+        if name != "embed_tokens.weight" or model_config.tie_word_embeddings
     )
 
 
@@ -84,7 +89,7 @@ def run_engine(
     timing = _timed_greedy_run(engine, workload, device)
     # A pure decode step advances every request by one token.
     decode_steps = [s for s, n in timing.pop("steps") if n == workload.batch]
-    weight_bytes = weight_bytes_read_per_step(model, config.tie_word_embeddings)
+    weight_bytes = weight_bytes_read_per_step(config, model.dtype)
     bound = decode_bound(config, weight_bytes, workload, bandwidth)
     decode_ms = statistics.median(decode_steps) * 1e3 if decode_steps else None
     return {

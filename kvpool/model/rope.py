@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from kvpool.kernels import fused
+
 
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
@@ -63,6 +65,30 @@ def cos_sin_cache(
     angles = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+class StepRotary:
+    """One step's rotary embedding: its tokens' positions over the model's float32 tables.
+
+    `apply_(x)` rotates q or k [num_tokens, num_heads, head_dim] in place: with the fused C++
+    kernel where it serves x (it looks each position up itself), else with `apply_rotary` on
+    per-token rows gathered once per step and dtype, not once per layer.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+        self.cos, self.sin, self.positions = cos, sin, positions
+        self._rows: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply_(self, x: torch.Tensor) -> None:
+        if fused.is_served(x):
+            fused.rotary_(x, self.positions, self.cos, self.sin)
+            return
+        rows = self._rows.get(x.dtype)
+        if rows is None:
+            rows = tuple(table[self.positions].to(x.dtype).unsqueeze(1)
+                         for table in (self.cos, self.sin))
+            self._rows[x.dtype] = rows
+        x.copy_(apply_rotary(x, *rows))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

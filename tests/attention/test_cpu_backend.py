@@ -8,8 +8,9 @@ import warnings
 import pytest
 import torch
 
-from kvpool.attention import cpu_kernels, selector
+from kvpool.attention import selector
 from kvpool.attention.cpu_backend import paged_decode
+from kvpool.kernels import cpu_kernels
 
 
 def make_decode_batch(seq_lens, block_size, num_kv_heads, group_size, head_dim, seed=0):
@@ -64,6 +65,28 @@ def test_paged_decode_equals_dense_attention(head_dim, group_size, block_size):
     torch.testing.assert_close(out, dense_decode(query, contexts, scale), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (40, 5)])
+def test_a_16_bit_cache_is_read_in_place_with_float32_arithmetic(
+    cache_dtype, query_dtype, head_dim, block_size
+):
+    seq_lens = [1, block_size + 1, 97, 300]
+    query, layer, tables, lens, contexts = make_decode_batch(
+        seq_lens, block_size, num_kv_heads=3, group_size=3, head_dim=head_dim, seed=5
+    )
+    query, layer = query.to(query_dtype), layer.to(cache_dtype)  # what the kernel reads
+    contexts = [(k.to(cache_dtype).float(), v.to(cache_dtype).float()) for k, v in contexts]
+    scale = head_dim**-0.5
+    out = paged_decode(query, layer, tables, lens, scale)
+    assert out.dtype == query_dtype
+    # The reference widens the same 16-bit values and computes in float32: only the final
+    # narrowing to the query's dtype rounds.
+    expected = dense_decode(query.float(), contexts, scale).to(query_dtype)
+    tolerance = 1e-5 if query_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
 def test_paged_decode_is_the_same_on_one_thread_and_many():
     seq_lens = [random.Random(3).randint(1, 400) for _ in range(37)]
     query, layer, tables, lens, _ = make_decode_batch(seq_lens, 16, 3, 3, 64, seed=3)
@@ -78,7 +101,7 @@ def test_paged_decode_is_the_same_on_one_thread_and_many():
 
 def test_paged_decode_rejects_bad_input_with_a_reason():
     query, layer, tables, lens, _ = make_decode_batch([5, 20], 16, 2, 2, 64)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 and float16 only"):
         paged_decode(query.double(), layer.double(), tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="int32"):
         paged_decode(query, layer, tables.long(), lens, 1.0)

@@ -257,7 +257,8 @@ def test_dummy_builds_a_model_of_the_config_and_runs_a_step():
     loaded = load_model("tiny", load_format="dummy")
     config = ModelConfig.preset("tiny")
     assert loaded.config == config and loaded.tokenizer is None
-    assert loaded.model.layers[0].self_attn.qkv_weight.shape == (
+    qkv = loaded.model.layers[0].self_attn.qkv
+    assert (qkv.out_features, qkv.in_features) == (
         (config.num_heads + 2 * config.num_kv_heads) * config.head_dim, config.hidden_size
     )
     logits = kvpool_step_logits(loaded, list(range(10)), split=[7])
@@ -268,7 +269,7 @@ def test_dummy_weights_are_deterministic_per_seed():
     config = ModelConfig.preset("tiny").replace(num_layers=1, attention_bias=True)
     first, again, other = (load_model(config, "dummy", seed=s).model for s in (0, 0, 1))
     assert torch.equal(first.embed_tokens, again.embed_tokens)
-    assert torch.equal(first.layers[0].self_attn.qkv_bias, again.layers[0].self_attn.qkv_bias)
+    assert torch.equal(first.layers[0].self_attn.qkv.bias, again.layers[0].self_attn.qkv.bias)
     assert not torch.equal(first.embed_tokens, other.embed_tokens)
     assert torch.equal(first.norm.weight, torch.ones(config.hidden_size))
 

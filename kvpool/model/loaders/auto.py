@@ -17,28 +17,16 @@ import torch
 from kvpool.attention.backend import AttentionBackend
 from kvpool.model import default_model_path
 from kvpool.model.config import PRESETS, ModelConfig
+from kvpool.model.dtype import resolve_dtype
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loaders.base import LoadedModel, WeightLoader
 from kvpool.model.loaders.dummy import DummyLoader
 from kvpool.model.loaders.hf_dir import SafetensorsLoader, is_hf_directory
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 DEFAULT_DUMMY_PRESET = "smollm2-135m"
 
 ModelSource = str | Path | ModelConfig | None
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def _gguf_file(path: Path) -> Path | None:
@@ -109,6 +97,7 @@ def load_model(
 ) -> LoadedModel:
     """Build the model, fill its weights, and load its tokenizer.
 
+    `dtype` is a torch dtype or a name (`kvpool.model.dtype`; "auto" is decided for `device`).
     `attention_backend` defaults to the torch reference backend. `seed` only affects dummy
     weights.
     """
@@ -120,8 +109,9 @@ def load_model(
         attention_backend = TorchAttentionBackend()
     loader = make_loader(model, load_format, seed)
     config = loader.load_config()
-    llama = LlamaModel(config, attention_backend, resolve_dtype(dtype), device)
+    llama = LlamaModel(config, attention_backend, resolve_dtype(dtype, device), device)
     llama.load_weights(loader.iter_weights(config, device))
+    llama.pack_weights()
     llama.eval()
     tokenizer = loader.load_tokenizer()
     return LoadedModel(config, llama, tokenizer, time.perf_counter() - start)

@@ -1,4 +1,5 @@
-"""Building and loading kvpool's C++ CPU kernels (`csrc/`), once per machine.
+"""Building and loading kvpool's C++ CPU kernels (`csrc/`: paged decode attention and the
+model's fused elementwise ops), once per machine.
 
 The kernels are compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and
 ninja are needed) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
@@ -23,7 +24,7 @@ import warnings
 from pathlib import Path
 
 CSRC_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.cpp",)
+SOURCES = ("paged_decode.cpp", "fused_ops.cpp")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 # Linking with -fopenmp records libgomp.so.1, the soname of the libgomp torch ships and has
 # already loaded, so at::parallel_for runs on torch's own OpenMP pool, never a second one.
@@ -89,7 +90,7 @@ def cpu_kernels_available() -> bool:
 
 
 def main() -> None:
-    """`python -m kvpool.attention.cpu_kernels` (run by `make setup`): build the kernels now, so
+    """`python -m kvpool.kernels.cpu_kernels` (run by `make setup`): build the kernels now, so
     the first engine does not wait for the compiler. Never fails: without the kernels kvpool
     runs on the PyTorch path."""
     try:

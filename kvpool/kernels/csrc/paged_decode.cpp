@@ -1,0 +1,410 @@
+// Paged decode attention for the CPU: every decode sequence reads its K/V in place, through its
+// block table, instead of gathering the context into a contiguous copy first.
+//
+// Decode attention is memory-bound: each step reads the whole context of every sequence once.
+// The gather-then-SDPA path reads it, writes a copy, and reads the copy again; this kernel reads
+// it once, at close to the machine's read bandwidth:
+// - each token's K (then V) rows for all KV heads are one contiguous run, streamed in order;
+// - the next block's rows are prefetched while the current block is used (blocks sit at
+//   unrelated addresses, which the hardware prefetcher cannot guess);
+// - sequences are split into one range per thread with about equal total context, and run with
+//   at::parallel_for, i.e. on torch's own OpenMP pool, never a second threading runtime.
+//
+// Shapes (the cache is a strided per-layer view, last dimension contiguous):
+//   query        [num_seqs, num_heads, head_dim]        float32, bfloat16 or float16
+//   kv_cache     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0: K, 1: V)
+//                                                        float32, bfloat16 or float16
+//   block_tables [num_seqs, max_num_blocks] int32
+//   seq_lens     [num_seqs] int32   (context length, including the token being decoded)
+//   returns      [num_seqs, num_heads, head_dim]         the query's dtype
+//
+// Whatever the dtypes, the arithmetic is float32: each K/V element is widened as it is loaded
+// (a 16-bit cache is read in place, at half the bytes of a float32 one), scores, softmax and
+// the weighted sum accumulate in float32, and the output is narrowed once at the end.
+//
+// Grouped-query attention: the `group_size = num_heads / num_kv_heads` query heads that share a
+// KV head use each loaded K and V row in turn. Two passes over the context: scores (reading K),
+// then the softmax-weighted sum (reading V); the scores of one sequence fit in cache.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct HeadShape {
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t group_size;  // query heads per KV head
+  int64_t head_dim;
+};
+
+struct CacheLayout {
+  int64_t block_stride;  // elements between consecutive blocks
+  int64_t kv_stride;     // elements from a token's K row to its V row
+  int64_t token_stride;  // elements between consecutive tokens of a block
+  int64_t head_stride;   // elements between consecutive KV heads of a token
+  int64_t block_size;
+};
+
+// Element i of a row, widened to float32. bfloat16 is the top half of a float32, so widening
+// is a shift, which vectorises; float16 goes through the hardware conversion (F16C).
+inline float widen(const float* row, int64_t i) { return row[i]; }
+inline float widen(const c10::BFloat16* row, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+inline float widen(const c10::Half* row, int64_t i) { return static_cast<float>(row[i]); }
+
+// `kHeadDim` > 0 fixes head_dim at compile time so the row loops unroll and vectorise fully;
+// 0 reads it at run time.
+template <int64_t kHeadDim>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t head_dim) {
+  const int64_t n = kHeadDim > 0 ? kHeadDim : head_dim;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+template <int64_t kHeadDim>
+inline void add_scaled(float* __restrict acc, const float* __restrict row, float weight,
+                       int64_t head_dim) {
+  const int64_t n = kHeadDim > 0 ? kHeadDim : head_dim;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) acc[i] += weight * row[i];
+}
+
+// dst[0..n) = widen(src[0..n)), 16 lanes at a time where AVX-512 is there (the compiler does
+// not vectorise the scalar `widen` of the 16-bit types).
+inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i,
+                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = widen(src, i);
+}
+inline void widen_row(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i,
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = widen(src, i);
+}
+
+#if defined(__AVX512F__)
+// A K or V row of kLanes * 16 elements, widened to float32 in registers once, then used by
+// every query head of its group (no reload, no re-widening per head).
+template <int64_t kLanes>
+struct WideRow {
+  __m512 lanes[kLanes];
+};
+
+template <int64_t kLanes>
+inline void load_wide(WideRow<kLanes>& row, const float* src) {
+  for (int64_t l = 0; l < kLanes; ++l) row.lanes[l] = _mm512_loadu_ps(src + 16 * l);
+}
+template <int64_t kLanes>
+inline void load_wide(WideRow<kLanes>& row, const c10::BFloat16* src) {
+  for (int64_t l = 0; l < kLanes; ++l) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * l));
+    row.lanes[l] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+template <int64_t kLanes>
+inline void load_wide(WideRow<kLanes>& row, const c10::Half* src) {
+  for (int64_t l = 0; l < kLanes; ++l)
+    row.lanes[l] = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * l)));
+}
+
+template <int64_t kLanes>
+inline float dot_wide(const float* __restrict query, const WideRow<kLanes>& key) {
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(query), key.lanes[0]);
+  for (int64_t l = 1; l < kLanes; ++l)
+    sum = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * l), key.lanes[l], sum);
+  return _mm512_reduce_add_ps(sum);
+}
+
+template <int64_t kLanes>
+inline void add_scaled_wide(float* __restrict acc, const WideRow<kLanes>& value, float weight) {
+  const __m512 w = _mm512_set1_ps(weight);
+  for (int64_t l = 0; l < kLanes; ++l)
+    _mm512_storeu_ps(acc + 16 * l,
+                     _mm512_fmadd_ps(w, value.lanes[l], _mm512_loadu_ps(acc + 16 * l)));
+}
+#endif
+
+// Asks for `count` elements from `row` to be brought into cache ahead of use. Blocks sit at
+// unrelated addresses, so the hardware prefetcher cannot guess where the next block starts;
+// without this every block's first rows would wait for memory.
+template <typename T>
+inline void prefetch(const T* row, int64_t count) {
+  constexpr int64_t kPerLine = 64 / sizeof(T);
+  for (int64_t i = 0; i < count; i += kPerLine) __builtin_prefetch(row + i);
+}
+
+// In place: row[i] = softmax(row)[i].
+inline void softmax(float* row, int64_t length) {
+  const float row_max = *std::max_element(row, row + length);
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < length; ++i) {
+    row[i] = std::exp(row[i] - row_max);
+    total += row[i];
+  }
+  const float inverse_total = 1.0f / total;
+#pragma omp simd
+  for (int64_t i = 0; i < length; ++i) row[i] *= inverse_total;
+}
+
+// Calls visit(position, row) for positions 0..seq_len-1 in order, where `row` points at that
+// token's rows for all KV heads in the plane starting at `plane` (the cache for K, the cache plus
+// kv_stride for V). Walks the block table once, prefetching the next block's rows as it goes.
+template <typename T, typename Visit>
+inline void for_each_token(const T* plane, const int32_t* block_table, int64_t seq_len,
+                           int64_t row_elements, const CacheLayout& layout, Visit&& visit) {
+  const int64_t num_blocks = (seq_len + layout.block_size - 1) / layout.block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* rows = plane + block_table[b] * layout.block_stride;
+    const T* next_rows =
+        plane + block_table[std::min(b + 1, num_blocks - 1)] * layout.block_stride;
+    const int64_t first = b * layout.block_size;
+    const int64_t count = std::min(layout.block_size, seq_len - first);
+    for (int64_t t = 0; t < count; ++t) {
+      prefetch(next_rows + t * layout.token_stride, row_elements);
+      visit(first + t, rows + t * layout.token_stride);
+    }
+  }
+}
+
+// One row as float32: the cache's own memory for a float32 cache, else widened into `scratch`.
+inline const float* as_float(const float* row, float*, int64_t) { return row; }
+template <typename T>
+inline const float* as_float(const T* row, float* scratch, int64_t n) {
+  widen_row(row, scratch, n);
+  return scratch;
+}
+
+#if defined(__AVX512F__)
+// `attend_sequence` for head_dim = kLanes * 16 with AVX-512: each K and V row is widened into
+// registers once and serves the whole query group.
+template <int64_t kLanes, typename T>
+void attend_sequence_wide(const float* __restrict query, float* __restrict out, const T* cache,
+                          const int32_t* block_table, int64_t seq_len, const HeadShape& heads,
+                          const CacheLayout& layout, float* __restrict scores) {
+  constexpr int64_t kHeadDim = kLanes * 16;
+  const int64_t row_elements = heads.num_kv_heads * layout.head_stride;
+  WideRow<kLanes> row;
+  for_each_token(cache, block_table, seq_len, row_elements, layout,
+                 [&](int64_t position, const T* keys) {
+                   for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
+                     load_wide(row, keys + kv_head * layout.head_stride);
+                     for (int64_t g = 0; g < heads.group_size; ++g, ++h)
+                       scores[h * seq_len + position] = dot_wide(query + h * kHeadDim, row);
+                   }
+                 });
+  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * seq_len, seq_len);
+  std::fill(out, out + heads.num_heads * kHeadDim, 0.0f);
+  for_each_token(cache + layout.kv_stride, block_table, seq_len, row_elements, layout,
+                 [&](int64_t position, const T* values) {
+                   for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
+                     load_wide(row, values + kv_head * layout.head_stride);
+                     for (int64_t g = 0; g < heads.group_size; ++g, ++h)
+                       add_scaled_wide(out + h * kHeadDim, row, scores[h * seq_len + position]);
+                   }
+                 });
+}
+#endif
+
+// Attention of one sequence's `num_heads` query rows (contiguous [num_heads, head_dim], already
+// scaled) over its context: each token's K (then V) rows for all KV heads are one contiguous
+// run, so the cache is streamed, never re-read. Query head h = kv_head * group_size + g.
+// `scores` is scratch for [num_heads, seq_len] floats; `out` is [num_heads, head_dim].
+template <int64_t kHeadDim, typename T>
+void attend_sequence(const float* __restrict query, float* __restrict out, const T* cache,
+                     const int32_t* block_table, int64_t seq_len, const HeadShape& heads,
+                     const CacheLayout& layout, float* __restrict scores) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    attend_sequence_wide<kHeadDim / 16>(query, out, cache, block_table, seq_len, heads, layout,
+                                        scores);
+    return;
+  }
+#endif
+  const int64_t head_dim = heads.head_dim;
+  const int64_t row_elements = heads.num_kv_heads * layout.head_stride;
+  std::vector<float> row(static_cast<size_t>(head_dim));
+  for_each_token(cache, block_table, seq_len, row_elements, layout,
+                 [&](int64_t position, const T* keys) {
+                   for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
+                     const float* key = as_float(keys + kv_head * layout.head_stride, row.data(),
+                                                 head_dim);
+                     for (int64_t g = 0; g < heads.group_size; ++g, ++h)
+                       scores[h * seq_len + position] =
+                           dot<kHeadDim>(query + h * head_dim, key, head_dim);
+                   }
+                 });
+  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * seq_len, seq_len);
+  std::fill(out, out + heads.num_heads * head_dim, 0.0f);
+  for_each_token(cache + layout.kv_stride, block_table, seq_len, row_elements, layout,
+                 [&](int64_t position, const T* values) {
+                   for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
+                     const float* value = as_float(values + kv_head * layout.head_stride,
+                                                   row.data(), head_dim);
+                     for (int64_t g = 0; g < heads.group_size; ++g, ++h)
+                       add_scaled<kHeadDim>(out + h * head_dim, value,
+                                            scores[h * seq_len + position], head_dim);
+                   }
+                 });
+}
+
+// Splits sequences [0, num_seqs) into `num_parts` contiguous ranges of about equal total
+// context (the work is proportional to it): part p is [bounds[p], bounds[p + 1]).
+std::vector<int64_t> balanced_bounds(const int32_t* seq_lens, int64_t num_seqs,
+                                     int64_t num_parts) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    done += seq_lens[s];
+    const int64_t part = static_cast<int64_t>(bounds.size());
+    if (part < num_parts && done * num_parts >= total * part) bounds.push_back(s + 1);
+  }
+  while (static_cast<int64_t>(bounds.size()) <= num_parts) bounds.push_back(num_seqs);
+  return bounds;
+}
+
+// Checks the inputs, the block ids included (cheap next to the reads: one id per block).
+void check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query must be 3-D and kv_cache 5-D");
+  const auto is_float = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+           t.scalar_type() == at::kHalf;
+  };
+  TORCH_CHECK(is_float(query) && is_float(kv_cache),
+              "paged_decode supports float32, bfloat16 and float16 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(kv_cache.stride(4) == 1, "kv_cache must be contiguous in head_dim");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && num_heads % kv_cache.size(3) == 0,
+              "query and kv_cache head shapes disagree");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
+              "one block table and one length per sequence");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_num_blocks = block_tables.size(1), block_size = kv_cache.size(2);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_num_blocks * block_size,
+                "seq_lens out of range of the block tables");
+    const int64_t used_blocks = (lens[s] + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int32_t block_id = tables[s * max_num_blocks + b];
+      TORCH_CHECK(block_id >= 0 && block_id < kv_cache.size(0), "block id ", block_id,
+                  " out of range");
+    }
+  }
+}
+
+// The typed body: query element type Q (also the output's), cache element type T.
+template <typename Q, typename T>
+void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+         const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const HeadShape heads{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim};
+  const CacheLayout layout{kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                           kv_cache.stride(3), kv_cache.size(2)};
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_num_blocks = block_tables.size(1);
+  const Q* query_data = query.data_ptr<Q>();
+  const T* cache_data = kv_cache.data_ptr<T>();
+  Q* out_data = out.data_ptr<Q>();
+  const auto attend = head_dim == 64    ? &attend_sequence<64, T>
+                      : head_dim == 128 ? &attend_sequence<128, T>
+                                        : &attend_sequence<0, T>;
+  const int64_t row = num_heads * head_dim;
+  const int64_t num_parts = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  const std::vector<int64_t> bounds = balanced_bounds(lens, num_seqs, num_parts);
+  at::parallel_for(0, num_parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, scaled_query(row), acc(row);
+    for (int64_t seq = bounds[begin]; seq < bounds[end]; ++seq) {
+      scores.resize(static_cast<size_t>(num_heads * lens[seq]));
+      const Q* seq_query = query_data + seq * row;
+      for (int64_t i = 0; i < row; ++i) scaled_query[i] = static_cast<float>(seq_query[i]) * scale;
+      attend(scaled_query.data(), acc.data(), cache_data, tables + seq * max_num_blocks,
+             lens[seq], heads, layout, scores.data());
+      Q* seq_out = out_data + seq * row;
+      for (int64_t i = 0; i < row; ++i) seq_out[i] = static_cast<Q>(acc[i]);
+    }
+  });
+}
+
+template <typename Q>
+void run_for_query(const at::Tensor& query, const at::Tensor& kv_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
+                   at::Tensor& out) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: return run<Q, float>(query, kv_cache, block_tables, seq_lens, scale, out);
+    case at::kBFloat16:
+      return run<Q, c10::BFloat16>(query, kv_cache, block_tables, seq_lens, scale, out);
+    default: return run<Q, c10::Half>(query, kv_cache, block_tables, seq_lens, scale, out);
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  const at::Tensor query_c = query.contiguous();
+  const at::Tensor tables_c = block_tables.contiguous();
+  const at::Tensor lens_c = seq_lens.contiguous();
+  check_inputs(query_c, kv_cache, tables_c, lens_c);
+  at::Tensor out = at::empty_like(query_c);
+  const float scale_f = static_cast<float>(scale);
+  switch (query_c.scalar_type()) {
+    case at::kFloat:
+      run_for_query<float>(query_c, kv_cache, tables_c, lens_c, scale_f, out);
+      break;
+    case at::kBFloat16:
+      run_for_query<c10::BFloat16>(query_c, kv_cache, tables_c, lens_c, scale_f, out);
+      break;
+    default:
+      run_for_query<c10::Half>(query_c, kv_cache, tables_c, lens_c, scale_f, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpool_cpu, m) {
+  m.def(
+      "paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
