@@ -92,6 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = LLMEngine(
         EngineConfig(
+            dtype="float32",  # docs/memory.md's transcript counts fp32 blocks (720 KiB each)
             kv_cache_memory=32 * 2**20,
             kv_pool="elastic",
             kv_pool_segment_blocks=4,

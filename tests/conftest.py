@@ -16,4 +16,4 @@ def smollm2():
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.setup import load_engine_model
 
-    return load_engine_model(EngineConfig())
+    return load_engine_model(EngineConfig(dtype="float32"))

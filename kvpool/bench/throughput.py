@@ -1,14 +1,16 @@
 """`kvpool bench throughput`: offline throughput on a fixed, seeded workload, optionally side by
-side with transformers `generate` on the same model, dtype, prompts and lengths.
+side with vLLM (`--baseline vllm`) and transformers `generate` (`--baseline hf`) on the same
+model, dtype, prompts and lengths, in one sitting.
 
-Workload: `--num-prompts` prompts of random token ids (lengths uniform in `--input-len`),
-each generating exactly its own output length (uniform in `--output-len`, EOS ignored, greedy).
-`--shared-prefix N` starts every prompt with the same N tokens, to show prefix caching.
+Workload: prompts of random token ids (lengths uniform in `--input-len`), each generating
+exactly its own output length (uniform in `--output-len`, EOS ignored, greedy). `--num-prompts
+64 32 4` runs the first 64, 32 and 4 prompts of the same seeded workload, each from an empty
+prefix cache; `--shared-prefix N` starts every prompt with the same N tokens, to show prefix
+caching; `--dtypes float32 bfloat16` repeats everything per dtype.
 
-Baseline (`--baseline hf`): transformers `generate` over static batches of
-`--baseline-batch-size` prompts in arrival order, left-padded; a batch runs until its longest
-output is done. Only the tokens each request asked for count as output, so the padding and the
-overshoot that static batching pays for are charged to it, as they are in practice.
+Each engine also reports its single-request decode latency (ms per token: the time the last
+`--latency-tokens` tokens of one request add), and each kvpool run its model FLOP/s next to the
+matmul peak measured in the same run (`roofline`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
+    from kvpool.engine.llm import LLM
+
+Request = tuple[list[int], int]  # (prompt token ids, output length)
+Runs = list[tuple[str, list[Request]]]  # (label, requests), in the order they run
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +40,7 @@ class Workload:
     shared_prefix: int = 0
     seed: int = 0
 
-    def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
+    def requests(self, vocab_size: int) -> list[Request]:
         """(prompt token ids, output length) per request; the same for a given seed."""
         rng = random.Random(self.seed)
         # Ids below 100 hold special tokens in common vocabularies; random text avoids them.
@@ -45,23 +53,40 @@ class Workload:
         return requests
 
 
-def run_kvpool(
-    engine_config: EngineConfig, workload: Workload, show_progress: bool = True
-) -> dict[str, object]:
-    from kvpool.engine.llm import LLM
+def workload_runs(requests: list[Request], counts: list[int]) -> Runs:
+    """One run per count: the workload's first `count` requests."""
+    return [(str(count), requests[:count]) for count in counts]
+
+
+def run_kvpool(llm: LLM, runs: Runs, latency_tokens: int, show_progress: bool) -> dict:
+    """Each run through `llm` from a clean start (stats zeroed, prefix cache empty)."""
+    from kvpool.bench.roofline import workload_flops
+
+    config = llm.engine.model_config
+    results = {}
+    for label, requests in runs:
+        llm.engine.reset_stats()
+        result = _generate(llm, requests, show_progress)
+        lengths = [(len(prompt), out) for prompt, out in requests]
+        flops = workload_flops(config, lengths, result.pop("num_cached_tokens"))
+        result["model_gflops_per_s"] = flops / result["elapsed_s"] / 1e9
+        results[label] = result
+    first_prompt = runs[0][1][0][0]
+    return {"runs": results, "decode_ms_per_token": decode_latency(llm, first_prompt,
+                                                                   latency_tokens)}
+
+
+def _generate(llm: LLM, requests: list[Request], show_progress: bool) -> dict:
     from kvpool.engine.sampling_params import SamplingParams
 
-    llm = LLM(**vars(engine_config))
-    requests = workload.requests(llm.engine.model_config.vocab_size)
     prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
-    params = [
-        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        for _, output_len in requests
-    ]
+    params = [SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+              for _, output_len in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=show_progress)
     elapsed = time.perf_counter() - start
-    num_output = sum(len(output.outputs[0].token_ids) for output in outputs)
+    token_ids = [list(output.outputs[0].token_ids) for output in outputs]
+    num_output = sum(len(tokens) for tokens in token_ids)
     num_prompt = sum(len(prompt) for prompt, _ in requests)
     stats, pool = llm.engine.stats(), llm.memory_stats()
     return {
@@ -78,125 +103,133 @@ def run_kvpool(
         "prefix_cache_hit_tokens": pool.prefix_cache_hits_tokens,
         "step_phase_seconds": stats.phase_seconds,
         "decode_only_model_seconds": stats.decode_only_model_seconds,
+        "token_ids": token_ids,
+        "num_cached_tokens": [output.num_cached_tokens for output in outputs],
     }
 
 
-def run_transformers(
-    args: argparse.Namespace, engine_config: EngineConfig, workload: Workload
-) -> dict[str, object]:
-    import torch
-    from tqdm.auto import tqdm
+def decode_latency(llm: LLM, prompt: list[int], num_tokens: int, pairs: int = 3) -> float:
+    """ms per token of one request's decode: the time `num_tokens` more tokens add to a
+    one-token generation (median of `pairs` pairs, each from an empty prefix cache)."""
+    def timed(output_len: int) -> float:
+        llm.engine.reset_stats()
+        return _generate(llm, [(prompt, output_len)], show_progress=False)["elapsed_s"]
 
-    model = load_transformers_model(engine_config)
-    requests = workload.requests(model.config.vocab_size)
-    batch_size = args.baseline_batch_size
-    num_useful = 0
+    samples = [(timed(num_tokens + 1) - timed(1)) / num_tokens * 1e3 for _ in range(pairs)]
+    return statistics.median(samples)
+
+
+def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload) -> dict:
+    """Everything `--baseline` asks for, in one dtype: kvpool first, then each baseline."""
+    from kvpool.engine.llm import LLM
+
     start = time.perf_counter()
-    batches = range(0, len(requests), batch_size)
-    for first in tqdm(batches, desc="transformers", unit="batch", disable=args.json):
-        batch = requests[first : first + batch_size]
-        input_ids, attention_mask = _left_padded([prompt for prompt, _ in batch])
-        longest = max(output_len for _, output_len in batch)
-        with torch.inference_mode():
-            model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        num_useful += sum(output_len for _, output_len in batch)
-    elapsed = time.perf_counter() - start
-    return {
-        "baseline": "hf",
-        "baseline_batch_size": batch_size,
-        "baseline_elapsed_s": elapsed,
-        "baseline_output_tokens_per_s": num_useful / elapsed,
-    }
+    llm = LLM(**vars(config))
+    load_s = time.perf_counter() - start
+    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    config = replace(config, dtype=dtype)  # "auto" resolved: the baselines run the same
+    runs = workload_runs(workload.requests(llm.engine.model_config.vocab_size), args.num_prompts)
+    result = {"dtype": dtype,
+              "kvpool": {"load_s": load_s, **run_kvpool(llm, runs, args.latency_tokens,
+                                                        not args.json)}}
+    kv_cache_bytes = llm.engine.kv_memory.arena.num_reserved_bytes
+    del llm
+    if "vllm" in args.baseline:
+        from kvpool.bench.vllm_baseline import BaselineUnavailable
+
+        try:
+            result["vllm"] = _run_vllm(args, config, runs, kv_cache_bytes)
+        except BaselineUnavailable as error:  # keep what has been measured: report, go on
+            result["vllm_error"] = str(error)
+    if "hf" in args.baseline:
+        from kvpool.bench.transformers_baseline import run_transformers
+
+        result["hf"] = run_transformers(config, runs, args.baseline_batch_size, not args.json)
+    result["comparison"] = compare(result)
+    return result
 
 
-def _left_padded(prompts: list[list[int]]):
-    import torch
+def _run_vllm(args: argparse.Namespace, config: EngineConfig, runs: Runs,
+              kv_cache_bytes: int) -> dict:
+    from kvpool.bench import vllm_baseline
 
-    width = max(len(prompt) for prompt in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-    attention_mask = torch.zeros(len(prompts), width, dtype=torch.int64)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    return input_ids, attention_mask
+    plan = {"model": str(vllm_baseline.hf_model_directory(config.model)), "dtype": config.dtype,
+            "max_num_seqs": config.max_num_seqs, "seed": config.seed,
+            "runs": [{"label": label, "requests": requests} for label, requests in runs],
+            "latency_prompt": runs[0][1][0][0], "latency_tokens": args.latency_tokens}
+    kv_gib = vllm_baseline.vllm_kv_cache_gib(kv_cache_bytes)
+    return vllm_baseline.run_vllm(plan, kv_gib, vllm_baseline.vllm_python(args.vllm_python))
 
 
-def load_transformers_model(config: EngineConfig):
-    """The same weights in transformers: the GGUF file or HF directory kvpool loads, or the
-    same seeded dummy weights."""
-    from pathlib import Path
+def _check_vllm_baseline(args: argparse.Namespace, config: EngineConfig) -> None:
+    from kvpool.bench import vllm_baseline
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from kvpool.model import default_model_path
-
-    dtype = getattr(torch, config.dtype)
     if config.load_format == "dummy":
-        from kvpool.bench.generation import load_dummy_hf_model
-
-        return load_dummy_hf_model(config.model, dtype, config.seed, config.device)
-    path = Path(config.model) if config.model else default_model_path()
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.eval()
+        raise SystemExit("--baseline vllm needs real weights (a GGUF file or HF directory), "
+                         "not --load-format dummy")
+    try:
+        vllm_baseline.vllm_python(args.vllm_python)
+        vllm_baseline.hf_model_directory(config.model)
+    except vllm_baseline.BaselineUnavailable as error:
+        raise SystemExit(str(error)) from None
 
 
-def format_table(result: dict[str, object]) -> str:
-    rows = [
-        ("requests / s", result["requests_per_s"]),
-        ("output tokens / s", result["output_tokens_per_s"]),
-        ("total tokens / s", result["total_tokens_per_s"]),
-        ("peak blocks used", result["peak_blocks_used"]),
-        ("preemptions", result["num_preemptions"]),
-        ("prefix-cache hit tokens", result["prefix_cache_hit_tokens"]),
-    ]
-    if "baseline_output_tokens_per_s" in result:
-        label = f"transformers output tokens / s (batch {result['baseline_batch_size']})"
-        rows += [(label, result["baseline_output_tokens_per_s"]), ("speedup", result["speedup"])]
-    phases = result["step_phase_seconds"]
-    decode_seconds = result["decode_only_model_seconds"]
-    for phase, seconds in phases.items():
-        rows.append((f"time in {phase}", f"{seconds:.1f} s"))
-        if phase == "model":
-            rows.append(("  in steps with prefill chunks", f"{seconds - decode_seconds:.1f} s"))
-            rows.append(("  in decode-only steps", f"{decode_seconds:.1f} s"))
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(
-        f"{label:<{width}}  {value:,.2f}"
-        if isinstance(value, float)
-        else f"{label:<{width}}  {value}"
-        for label, value in rows
-    )
+def compare(result: dict) -> dict:
+    """Per run: kvpool's output tokens/s over each baseline's, and whether vLLM's tokens agree."""
+    from kvpool.bench.vllm_baseline import compare_tokens
+
+    comparison = {}
+    for label, ours in result["kvpool"]["runs"].items():
+        row = {}
+        for name in ("vllm", "hf"):
+            if name in result:
+                theirs = result[name]["runs"][label]
+                row[f"over_{name}"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+        if "vllm" in result:
+            row["tokens_vs_vllm"] = compare_tokens(ours["token_ids"],
+                                                   result["vllm"]["runs"][label]["token_ids"])
+        comparison[label] = row
+    return comparison
+
+
+def _without_token_ids(result: dict) -> dict:
+    for name in ("kvpool", "vllm"):
+        for run in result.get(name, {}).get("runs", {}).values():
+            run.pop("token_ids", None)
+    return result
 
 
 def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     """The benchmark of `kvpool bench throughput` (flags: kvpool.cli.bench), on the engine
     `engine_config` describes; prints a table, or one JSON object with `args.json`."""
+    from kvpool.bench.roofline import matmul_peak_flops
+    from kvpool.bench.throughput_report import format_report
+
     workload = Workload(
-        num_prompts=args.num_prompts,
+        num_prompts=max(args.num_prompts),
         input_len=tuple(args.input_len),
         output_len=tuple(args.output_len),
         shared_prefix=args.shared_prefix,
         seed=args.workload_seed,
     )
-    if min(*workload.input_len, *workload.output_len, workload.num_prompts) < 1:
-        raise SystemExit("lengths and --num-prompts must be at least 1")
-    result: dict[str, object] = {
+    if min(*workload.input_len, *workload.output_len, *args.num_prompts,
+           args.latency_tokens) < 1:
+        raise SystemExit("lengths, --num-prompts and --latency-tokens must be at least 1")
+    if "vllm" in args.baseline:
+        _check_vllm_baseline(args, engine_config)  # before anything runs: fail fast, lose nothing
+    import torch
+
+    report: dict[str, object] = {
         "workload": asdict(workload),
-        **run_kvpool(engine_config, workload, show_progress=not args.json),
+        "num_prompts": args.num_prompts,
+        "matmul_peak_gflops_per_s": {name: matmul_peak_flops(getattr(torch, name)) / 1e9
+                                     for name in ("float32", "bfloat16")},
+        "dtypes": [],
     }
-    if args.baseline == "hf":
-        result.update(run_transformers(args, engine_config, workload))
-        result["speedup"] = result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"]
-    print(json.dumps(result) if args.json else format_table(result))
+    for dtype in args.dtypes or [engine_config.dtype]:
+        result = run_dtype(args, replace(engine_config, dtype=dtype), workload)
+        report["dtypes"].append(_without_token_ids(result))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report) if args.json else format_report(report))
     return 0

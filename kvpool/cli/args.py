@@ -17,6 +17,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_pool import KV_POOL_MODES
+from kvpool.model.dtype import DTYPE_CHOICES
 
 _SIZE_UNITS = {
     "": 1,
@@ -50,7 +51,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group.add_argument(
         "--load-format", default="auto", choices=("auto", "gguf", "safetensors", "dummy")
     )
-    group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="auto: bfloat16 where the device runs it natively (CUDA sm80+, a CPU with "
+        "AVX-512 BF16 or AMX), else float32",
+    )
     group.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

@@ -1,9 +1,9 @@
-"""`kvpool bench blocks | throughput | serve`: the benchmark commands' flags.
+"""`kvpool bench blocks | throughput | serve | precision`: the benchmark commands' flags.
 
 This module owns only the parsers. Each benchmark's logic lives in its own module,
-`kvpool.bench.blocks`, `kvpool.bench.throughput` and `kvpool.bench.serve`, whose
-`run(args, ...)` prints a table, or one JSON object with `--json`. Those modules are imported
-when a benchmark runs, never when the parser is built.
+`kvpool.bench.blocks`, `kvpool.bench.throughput`, `kvpool.bench.serve` and
+`kvpool.bench.precision`, whose `run(args, ...)` prints a table, or one JSON object with
+`--json`. Those modules are imported when a benchmark runs, never when the parser is built.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvpool.cli.args import add_engine_args, engine_config_from_args
+from kvpool.attention.selector import ATTENTION_BACKENDS
+from kvpool.cli.args import DTYPE_CHOICES, add_engine_args, engine_config_from_args
 
 DEFAULT_VOCAB_SIZE = 512  # --vocab-size: every preset's vocabulary is at least this large
 
@@ -21,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks: a readable table, or one JSON object with --json"
     )
     bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    for register_bench in (_register_blocks, _register_throughput, _register_serve):
+    for register_bench in (
+        _register_blocks, _register_throughput, _register_serve, _register_precision
+    ):
         register_bench(bench_subparsers)
 
 
@@ -38,14 +41,27 @@ def _register_blocks(bench_subparsers: argparse._SubParsersAction) -> None:
 
 def _register_throughput(bench_subparsers: argparse._SubParsersAction) -> None:
     parser = bench_subparsers.add_parser(
-        "throughput", help="offline throughput on a seeded workload, optionally vs transformers"
+        "throughput",
+        help="offline throughput on a seeded workload, optionally vs vLLM and transformers",
     )
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[64], metavar="N",
+                        help="one run per N: the workload's first N prompts (default 64)")
     _add_length_args(parser, input_len=(32, 512), output_len=(64, 256))
     parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
     parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--baseline", choices=("none", "hf"), default="none")
-    parser.add_argument("--baseline-batch-size", type=int, default=16)
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, metavar="DTYPE",
+                        help="repeat every run per dtype (overrides --dtype)")
+    parser.add_argument("--baseline", action="extend", nargs="+", choices=("vllm", "hf"),
+                        default=[], help="also run vLLM (its venv: `make vllm-venv`) and/or "
+                        "transformers generate on the same requests")
+    parser.add_argument("--baseline-batch-size", type=int, default=16,
+                        help="transformers' static batch size")
+    parser.add_argument("--vllm-python", default=None, help="the interpreter of vLLM's venv "
+                        "(default $KVPOOL_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    parser.add_argument("--latency-tokens", type=int, default=128,
+                        help="tokens of the single-request decode-latency measurement")
+    parser.add_argument("--output-json", default=None, metavar="PATH",
+                        help="also write the JSON object to PATH")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(parser)
     parser.set_defaults(func=run_throughput)
@@ -69,6 +85,24 @@ def _register_serve(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _register_precision(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "precision", help="bf16 vs fp32: where greedy decoding diverges, and the perplexity"
+    )
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES,
+                        help="the dtype measured (default bfloat16)")
+    parser.add_argument("--reference-dtype", default="float32", choices=DTYPE_CHOICES,
+                        help="the dtype it is measured against (default float32)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="new tokens per prompt (default 128; 16 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="4 prompts, short text (for tests)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run_precision)
 
 
 def _add_length_args(
@@ -100,3 +134,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # Against a running server (--base-url) the engine flags describe nothing: no config.
     engine_config = engine_config_from_args(args) if args.base_url is None else None
     return serve.run(args, engine_config)
+
+
+def run_precision(args: argparse.Namespace) -> int:
+    from kvpool.bench import precision
+
+    return precision.run(args)

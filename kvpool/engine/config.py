@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
 from kvpool.memory.kv_pool import KV_POOL_MODES
+from kvpool.model.dtype import canonical_dtype_name
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes of KV cache on the CPU when nothing is said
 DEFAULT_CHUNKED_BATCHED_TOKENS = 1024
@@ -22,11 +23,15 @@ class EngineConfig:
     online a segment at a time and gives idle segments back (`kvpool.memory.elastic_pool`).
     The `kv_pool_*` options apply to the elastic pool only (None: its defaults), so a static
     pool rejects them rather than silently ignoring them.
+
+    `dtype` is kept by name, normalised to "auto", "float32", "bfloat16" or "float16" (aliases
+    such as "bf16" or "half", and torch dtypes, are accepted); "auto" becomes a concrete dtype
+    when the model is loaded (`kvpool.model.dtype.resolve_dtype`; the engine's `dtype`).
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     load_format: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the device runs it natively, else float32
     device: str = "cpu"
     seed: int = 0
     block_size: int = 16
@@ -47,6 +52,7 @@ class EngineConfig:
     enable_warmup: bool = True  # run a dummy batch at start-up (first-use costs paid there)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,

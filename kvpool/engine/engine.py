@@ -72,6 +72,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.max_model_len = parts.max_model_len
         self.device = parts.device
+        self.dtype = parts.dtype  # the model's and the KV cache's ("auto" already resolved)
         self.kv_memory = parts.kv_memory
         self.runner = ModelRunner(parts.model, self.kv_memory.kv_cache, parts.device)
         eos_ids = parts.tokenizer.eos_token_ids if parts.tokenizer else ()

@@ -7,6 +7,8 @@ Sizing rule, first match wins:
    after loading the weights, minus a reserve for a step's activations;
 4. on the CPU: 2 GiB.
 
+The model's dtype is decided here, once: `config.dtype` ("auto" by default) becomes a torch
+dtype for the device (`kvpool.model.dtype.resolve_dtype`), and the KV cache takes the model's.
 The KV layout (`KVLayout`: block size, shape, dtype, bytes per block) is decided here, once,
 and handed to everything that needs it. The budget is reserved as ONE arena buffer by
 `KVMemory`, holding the usable blocks plus the null block, and the KV cache is carved from it:
@@ -22,6 +24,7 @@ them room; the arena holds KV blocks and nothing else, so every arena byte is a 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +35,12 @@ from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.model.config import ModelConfig
-from kvpool.model.loaders.auto import load_model, resolve_dtype
+from kvpool.model.dtype import AUTO, resolve_dtype
+from kvpool.model.loaders.auto import load_model
 from kvpool.model.loaders.base import LoadedModel
 from kvpool.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 # Room for one step's activations and logits when the KV budget comes from the device's size.
 ACTIVATION_RESERVE_BYTES = 1024**3
@@ -46,6 +52,7 @@ class EngineParts:
     model: torch.nn.Module
     tokenizer: Tokenizer | None
     device: torch.device
+    dtype: torch.dtype  # the model's and its KV cache's: "auto" resolved
     max_model_len: int
     kv_memory: KVMemory
 
@@ -60,12 +67,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_engine_model(config: EngineConfig) -> LoadedModel:
-    """Load the configured model (weights, tokenizer) on the configured device."""
+    """Load the configured model (weights, tokenizer) on the configured device, in the
+    configured dtype ("auto" decided for that device)."""
     device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    logger.info("loading the model in %s on %s (dtype=%r)", dtype, device, config.dtype)
     return load_model(
         config.model,
         load_format=config.load_format,
-        dtype=resolve_dtype(config.dtype),
+        dtype=dtype,
         device=device,
         attention_backend=get_attention_backend(config.attention_backend, device),
         seed=config.seed,
@@ -73,9 +83,11 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
 
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
-    """Everything an engine runs on; pass `loaded` to reuse a model already in memory."""
+    """Everything an engine runs on; pass `loaded` to reuse a model already in memory (its
+    dtype is the engine's: `config.dtype` "auto" takes it, an explicit one must match it)."""
     device = resolve_device(config.device)
     loaded = loaded or load_engine_model(config)
+    dtype = _model_dtype(config, loaded, device)
     model_config = loaded.config
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
@@ -83,7 +95,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
             f"max_model_len {max_model_len} exceeds the model's limit "
             f"{model_config.max_position_embeddings}"
         )
-    layout = KVLayout.for_model(model_config, config.block_size, resolve_dtype(config.dtype))
+    layout = KVLayout.for_model(model_config, config.block_size, dtype)
     kv_memory = KVMemory(
         layout,
         kv_num_blocks(config, layout, device),
@@ -92,8 +104,16 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         watermark=config.watermark,
         elastic=_elastic_config(config),
     )
-    return EngineParts(model_config, loaded.model, loaded.tokenizer, device, max_model_len,
-                       kv_memory)
+    return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
+                       max_model_len, kv_memory)
+
+
+def _model_dtype(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> torch.dtype:
+    """The loaded model's dtype, checked against an explicit `config.dtype`."""
+    dtype = loaded.model.dtype
+    if config.dtype != AUTO and resolve_dtype(config.dtype, device) != dtype:
+        raise ValueError(f"dtype={config.dtype!r} was asked for, but the model given is {dtype}")
+    return dtype
 
 
 def _elastic_config(config: EngineConfig) -> ElasticPoolConfig | None:

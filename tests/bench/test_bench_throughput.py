@@ -1,11 +1,18 @@
-"""`kvpool bench throughput` runs its workload through kvpool and transformers and reports JSON."""
+"""`kvpool bench throughput` runs its workload through kvpool and its baselines and reports."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from kvpool.bench.roofline import layer_weights, workload_flops
 from kvpool.bench.throughput import Workload
+from kvpool.bench.vllm_baseline import compare_tokens, vllm_kv_cache_gib
 from kvpool.cli import main
+from kvpool.model.config import ModelConfig
+
+TINY = ["--model", "tiny", "--load-format", "dummy", "--dtype", "float32"]
 
 
 def test_workload_is_seeded_and_shares_the_prefix():
@@ -16,32 +23,77 @@ def test_workload_is_seeded_and_shares_the_prefix():
     assert all(10 <= len(prompt) <= 15 and 2 <= out <= 5 for prompt, out in first)
 
 
-def test_throughput_json_against_the_transformers_baseline(capsys):
+def test_throughput_json_runs_each_prefix_of_the_workload_against_transformers(capsys):
     argv = [
-        "bench", "throughput", "--json", "--model", "tiny", "--load-format", "dummy",
-        "--num-prompts", "5", "--input-len", "4", "12", "--output-len", "2", "6",
+        "bench", "throughput", "--json", *TINY, "--num-prompts", "5", "2",
+        "--input-len", "4", "12", "--output-len", "2", "6", "--latency-tokens", "3",
         "--baseline", "hf", "--baseline-batch-size", "2", "--kv-cache-memory", "4MiB",
     ]  # fmt: skip
     assert main(argv) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    keys = {
-        "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "peak_blocks_used",
-        "num_preemptions", "baseline_output_tokens_per_s", "speedup",
-    }  # fmt: skip
-    assert keys <= set(result)
-    assert result["num_output_tokens"] == sum(
-        out for _, out in Workload(5, (4, 12), (2, 6)).requests(512)
-    )
-    assert result["peak_blocks_used"] > 0 and result["speedup"] > 0
-    assert 0 < result["decode_only_model_seconds"] < result["step_phase_seconds"]["model"]
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["matmul_peak_gflops_per_s"]) == {"float32", "bfloat16"}
+    (result,) = report["dtypes"]
+    assert result["dtype"] == "float32"
+    requests = Workload(5, (4, 12), (2, 6)).requests(512)
+    for label, count in (("5", 5), ("2", 2)):
+        run = result["kvpool"]["runs"][label]
+        assert run["num_output_tokens"] == sum(out for _, out in requests[:count])
+        assert run["peak_blocks_used"] > 0 and run["model_gflops_per_s"] > 0
+        assert 0 < run["decode_only_model_seconds"] < run["step_phase_seconds"]["model"]
+        assert "token_ids" not in run  # compared, not printed
+        assert result["comparison"][label]["over_hf"] > 0
+    assert result["kvpool"]["decode_ms_per_token"] > 0
+    assert set(result["hf"]["runs"]) == {"5", "2"}
 
 
-def test_throughput_table_splits_model_time_into_prefill_and_decode(capsys):
+def test_throughput_table_names_each_run_and_splits_model_time(capsys):
     argv = [
-        "bench", "throughput", "--model", "tiny", "--load-format", "dummy",
-        "--num-prompts", "3", "--input-len", "4", "12", "--output-len", "4", "6",
+        "bench", "throughput", *TINY, "--num-prompts", "3", "--input-len", "4", "12",
+        "--output-len", "4", "6", "--latency-tokens", "2",
     ]  # fmt: skip
     assert main(argv) == 0
     table = capsys.readouterr().out
-    assert "output tokens / s" in table
+    assert "kvpool output tok/s" in table and "single-request decode, ms/token" in table
     assert "in steps with prefill chunks" in table and "in decode-only steps" in table
+
+
+def test_the_vllm_baseline_without_its_venv_fails_before_running_anything(tmp_path, capsys):
+    missing = tmp_path / "no-venv" / "python"
+    argv = ["bench", "throughput", "--baseline", "vllm", "--vllm-python", str(missing)]
+    with pytest.raises(SystemExit, match="make vllm-venv"):
+        main(argv)
+    assert capsys.readouterr().out == ""  # nothing was measured, so nothing was lost
+
+
+def test_the_vllm_baseline_needs_real_weights(tmp_path):
+    argv = ["bench", "throughput", "--baseline", "vllm", *TINY]
+    with pytest.raises(SystemExit, match="real weights"):
+        main(argv)
+
+
+def test_token_comparison_finds_the_first_divergence():
+    ours = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert compare_tokens(ours, ours) == {
+        "identical_requests": 3, "num_requests": 3, "first_divergence": None}
+    theirs = [[1, 2, 3], [4, 9, 6], [7]]
+    assert compare_tokens(ours, theirs) == {
+        "identical_requests": 1, "num_requests": 3, "first_divergence": (1, 1)}
+
+
+def test_vllm_gets_kvpools_kv_budget_in_whole_gib_rounded_up():
+    gib = 1024**3
+    assert [vllm_kv_cache_gib(n) for n in (1, gib, gib + 1, 2 * gib - 4096)] == [1, 1, 2, 2]
+
+
+def test_model_flops_count_projections_attention_and_lm_head():
+    config = ModelConfig(architecture="llama", vocab_size=10, hidden_size=4,
+                         intermediate_size=6, num_layers=2, num_heads=2, num_kv_heads=1,
+                         head_dim=2)
+    assert layer_weights(config) == 4 * 2 * (2 * 2 + 2 * 1) + 3 * 4 * 6
+    # prompt 3, output 2: 4 tokens fed (positions 0..3 attend to 1..4 keys), 2 LM-head rows
+    expected = (4 * 2 * 2 * layer_weights(config) + (1 + 2 + 3 + 4) * 4 * 2 * 2 * 2
+                + 2 * 2 * 10 * 4)
+    assert workload_flops(config, [(3, 2)]) == expected
+    # 2 prompt tokens from the prefix cache: positions 0 and 1 (1 + 2 keys) are not computed
+    saved = 2 * 2 * 2 * layer_weights(config) + (1 + 2) * 4 * 2 * 2 * 2
+    assert workload_flops(config, [(3, 2)], cached_tokens=[2]) == expected - saved

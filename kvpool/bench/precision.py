@@ -1,0 +1,269 @@
+"""`kvpool bench precision`: how far bfloat16 strays from float32 on the same model.
+
+The model (default: the bundled SmolLM2-135M-Instruct GGUF) is loaded once per dtype with
+kvpool's `LLM`, the reference (float32) first, then the measured dtype (bfloat16), each freed
+before the next is loaded. Two measures:
+
+1. Greedy divergence: `PROMPTS` (raw text, no chat template) decoded greedily for `max_tokens`
+   new tokens, EOS ignored, all in one batch; per prompt, the first position where the
+   measured dtype's token differs from the reference's (None: identical throughout). Once two
+   greedy paths part they continue from different texts, so only the first position means
+   something. The median counts an identical prompt as `max_tokens` (it diverges, if at all,
+   later than that). With each divergence comes the reference's gap, in nats, between its two
+   most likely tokens there (`logprobs=2`): a small gap is a near-tie that rounding can flip.
+2. Perplexity of `TEXT` (held-out prose written for this benchmark, so the model has not
+   memorised it): the engine has no prompt logprobs, so the text is run as one prefill through
+   the engine's own model and a paged KV cache of its layout, logits at every position. Also
+   reported: teacher-forced top-1 agreement (the two dtypes pick the same next token, given
+   the same true prefix) and the mean |Δ log p| of the true next token.
+
+Prints a table, or one JSON object with `--json`; `--quick` (4 prompts, 16 tokens, the first
+128 tokens of the text) is for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+PROMPTS = (
+    "The old lighthouse at the edge of the harbour",
+    "Photosynthesis is the process by which",
+    "My grandmother's recipe for apple pie begins with",
+    "The most important lesson I learned at school was",
+    "In the year 1850, the city of London",
+    "To change a flat tyre on a bicycle, first",
+    "The difference between weather and climate is",
+    "She opened the letter slowly and read",
+    "A good night's sleep helps the brain to",
+    "The train was late again, so the passengers",
+    "Volcanoes form when",
+    "If you want to learn a new language quickly,",
+    "The committee met on Tuesday to discuss",
+    "Honey bees communicate with each other by",
+    "The first thing you notice about the desert is",
+    "After the storm had passed, the villagers",
+)
+
+TEXT = """\
+The canal village of Marrow End has never been on the way to anywhere. The towpath runs past \
+it, the barges slow down to pass under its low stone bridge, and then they go on towards the \
+mills and the market towns, leaving the place much as they found it. For most of the year the \
+water is the colour of strong tea, and in the mornings a thin mist lies on it until the sun is \
+high enough to burn it away.
+
+The lock keeper, a tall woman called Agnes Pell, has worked the lock for thirty-one years. She \
+knows every boat by the sound of its engine and most of the boatmen by the way they throw a \
+rope. In spring she paints the balance beams white, because, she says, a beam that can be seen \
+in the dark is a beam that nobody walks into. In summer she sells eggs and lettuces from a \
+table by her door, and she leaves a tin for the money when she goes inside to make her tea. \
+The tin has never been stolen, although once, many years ago, somebody left a button in it \
+instead of a coin, and the village talked about nothing else for a week.
+
+Autumn is the busy season. The apples from the orchards on the hill come down to the wharf in \
+wooden crates, and for a few weeks the air smells of fruit and diesel and wet leaves. Children \
+who are supposed to be at school find reasons to be near the water. The baker makes a cake \
+with the first of the apples and cuts it into squares for anyone who has helped with the \
+loading, and there is always some argument about who has helped and who has only watched.
+
+In winter the canal sometimes freezes at the edges, and the ducks stand on the ice looking \
+offended. The boats come less often. Agnes mends the lock gates, reads the books that the \
+library van brings on the first Thursday of each month, and writes letters to a nephew in \
+Canada who has never once written back. She does not seem to mind. Letters, she says, are \
+not really for the person who reads them; they are a way of putting your own thoughts in \
+order, the way you might sweep a floor before anyone comes to visit.
+
+Visitors do come, now and then. A walker will stop on the bridge to ask the way, or a family \
+on a hired boat will tie up for the night and knock on her door to ask whether the water is \
+safe to drink. She tells them the truth, which is that it is not, and gives them a jug from \
+her own tap. Most of them send a postcard afterwards. She keeps the postcards in a shoebox \
+under the stairs, and on long evenings she takes them out and reads them again, one by one, \
+as if they were news from a large and interesting family that she has somehow never met.
+"""
+
+QUICK_NUM_PROMPTS = 4
+QUICK_MAX_TOKENS = 16
+QUICK_TEXT_TOKENS = 128
+DEFAULT_MAX_TOKENS = 128
+KV_CACHE_MEMORY = 256 * 2**20  # enough for every prompt's full length in fp32, and the text
+PERPLEXITY_TARGET = 0.01  # the measured dtype's perplexity within 1% of the reference's
+
+
+@dataclass(frozen=True)
+class DtypeRun:
+    """What one dtype produced: greedy continuations (with, per token, the log-prob gap
+    between the two most likely tokens) and, along `TEXT`, the log-probability of each true
+    next token and the token the model ranks first."""
+
+    dtype: str  # the resolved torch dtype's name ("auto" already decided)
+    generated: list[list[int]]
+    top2_gaps: list[list[float]]
+    text_logprobs: list[float]
+    text_argmax: list[int]
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-statistics.fmean(self.text_logprobs))
+
+
+def measure(args: argparse.Namespace, dtype: str, prompts: tuple[str, ...],
+            max_tokens: int, text_tokens: int | None) -> DtypeRun:
+    """Load the model in `dtype`, decode `prompts` greedily, score `TEXT`, free the model."""
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling_params import SamplingParams
+
+    llm = LLM(args.model, dtype=dtype, device=args.device, attention_backend=args.attention_backend,
+              kv_cache_memory=KV_CACHE_MEMORY, enable_warmup=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(list(prompts), params, use_tqdm=not args.json)
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        raise SystemExit("the precision benchmark needs a model with a tokenizer")
+    text_ids = tokenizer.encode(TEXT)[:text_tokens]
+    logprobs, argmax = teacher_forced(llm, text_ids)
+    completions = [output.outputs[0] for output in outputs]
+    run = DtypeRun(str(llm.engine.dtype).removeprefix("torch."),
+                   [list(completion.token_ids) for completion in completions],
+                   [[_top2_gap(entries) for entries in completion.logprobs or []]
+                    for completion in completions],
+                   logprobs, argmax)
+    del llm, outputs
+    gc.collect()
+    return run
+
+
+def _top2_gap(entries: dict) -> float:
+    """The log-prob gap between a step's two most likely tokens (`Logprob` entries)."""
+    best, second = sorted((entry.logprob for entry in entries.values()), reverse=True)[:2]
+    return best - second
+
+
+@torch.inference_mode()
+def teacher_forced(llm, token_ids: list[int]) -> tuple[list[float], list[int]]:
+    """Run `token_ids` as one prefill through the engine's model (a fresh paged KV cache of
+    the engine's layout) with logits at every position but the last; returns the log-prob of
+    each true next token and each position's top-1 token."""
+    from kvpool.engine.model_runner import ModelRunner, SequenceChunk
+    from kvpool.memory.kv_cache import KVCache
+
+    engine = llm.engine
+    layout = engine.kv_memory.layout
+    num_blocks = layout.num_blocks_for_tokens(len(token_ids))
+    kv_cache = KVCache(layout, num_blocks + 1, engine.device)  # + the null block
+    runner = ModelRunner(engine.runner.model, kv_cache, engine.device)
+    inputs = runner.prepare([SequenceChunk(token_ids, 0, list(range(1, num_blocks + 1)))])
+    positions = torch.arange(len(token_ids) - 1, device=engine.device)
+    logits = runner.model(inputs.token_ids, inputs.positions, kv_cache.tensor, inputs.metadata,
+                          positions)  # [len - 1, vocab] float32
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = inputs.token_ids[1:, None]
+    true_logprobs = logprobs.gather(1, targets).squeeze(1)
+    return true_logprobs.tolist(), logits.argmax(dim=-1).tolist()
+
+
+def first_divergence(reference: list[int], candidate: list[int]) -> int | None:
+    """The first index where the two token sequences differ, None if they never do."""
+    for index, (ref, cand) in enumerate(zip(reference, candidate, strict=False)):
+        if ref != cand:
+            return index
+    return None if len(reference) == len(candidate) else min(len(reference), len(candidate))
+
+
+def compare(reference: DtypeRun, candidate: DtypeRun, prompts: tuple[str, ...],
+            max_tokens: int) -> dict[str, object]:
+    """The benchmark's result: per-prompt divergence, its summary, and the perplexities."""
+    divergence = [first_divergence(ref, cand)
+                  for ref, cand in zip(reference.generated, candidate.generated, strict=True)]
+    counted = [max_tokens if position is None else position for position in divergence]
+    gaps = [None if position is None else reference.top2_gaps[index][position]
+            for index, position in enumerate(divergence)]
+    found_gaps = [gap for gap in gaps if gap is not None]
+    ref_ppl, cand_ppl = reference.perplexity, candidate.perplexity
+    agree = [a == b for a, b in zip(reference.text_argmax, candidate.text_argmax, strict=True)]
+    deltas = [abs(a - b) for a, b in
+              zip(reference.text_logprobs, candidate.text_logprobs, strict=True)]
+    relative = (cand_ppl - ref_ppl) / ref_ppl
+    return {
+        "reference_dtype": reference.dtype,
+        "dtype": candidate.dtype,
+        "max_tokens": max_tokens,
+        "prompts": [{"prompt": prompt, "first_divergence": position, "reference_top2_gap": gap}
+                    for prompt, position, gap in zip(prompts, divergence, gaps, strict=True)],
+        "median_first_divergence": statistics.median(counted),
+        "median_reference_top2_gap_at_divergence": (
+            statistics.median(found_gaps) if found_gaps else None),
+        "fraction_identical": sum(position is None for position in divergence) / len(prompts),
+        "perplexity": {
+            "num_tokens": len(reference.text_logprobs) + 1,
+            "reference": ref_ppl,
+            "candidate": cand_ppl,
+            "relative_difference": relative,
+            "within_target": abs(relative) <= PERPLEXITY_TARGET,
+            "top1_agreement": sum(agree) / len(agree),
+            "mean_abs_logprob_difference": statistics.fmean(deltas),
+        },
+    }
+
+
+def format_table(result: dict) -> str:
+    """The result as a readable report: one line per prompt, then the summaries."""
+    return "\n".join([*_divergence_lines(result), "", *_perplexity_lines(result)])
+
+
+def _divergence_lines(result: dict) -> list[str]:
+    ref, cand, max_tokens = result["reference_dtype"], result["dtype"], result["max_tokens"]
+    entries = result["prompts"]
+    width = max(len(entry["prompt"]) for entry in entries)
+    lines = [f"greedy decoding, {max_tokens} new tokens: the first token where {cand} differs "
+             f"from {ref},", f"and {ref}'s log-prob gap there between its two best tokens", "",
+             f"  {'prompt':<{width}}  {'diverges at':>11}  {'top-2 gap':>9}"]
+    for entry in entries:
+        position, gap = entry["first_divergence"], entry["reference_top2_gap"]
+        shown = "identical" if position is None else str(position)
+        gap_shown = "" if gap is None else f"{gap:.3f}"
+        lines.append(f"  {entry['prompt']:<{width}}  {shown:>11}  {gap_shown:>9}".rstrip())
+    num_identical = sum(entry["first_divergence"] is None for entry in entries)
+    median_gap = result["median_reference_top2_gap_at_divergence"]
+    lines += ["", f"median first divergence  {result['median_first_divergence']:g} "
+              f"(identical counted as {max_tokens})",
+              f"identical throughout     {num_identical} of {len(entries)} prompts "
+              f"({result['fraction_identical']:.0%})"]
+    if median_gap is not None:
+        lines.append(f"median top-2 gap there   {median_gap:.3f} nats ({ref})")
+    return lines
+
+
+def _perplexity_lines(result: dict) -> list[str]:
+    ref, cand, ppl = result["reference_dtype"], result["dtype"], result["perplexity"]
+    verdict = "within" if ppl["within_target"] else "OUTSIDE"
+    return [
+        f"perplexity of a {ppl['num_tokens']}-token held-out text",
+        f"  {ref:<9} {ppl['reference']:.4f}",
+        f"  {cand:<9} {ppl['candidate']:.4f}",
+        f"  relative difference  {ppl['relative_difference']:+.3%} "
+        f"({verdict} the {PERPLEXITY_TARGET:.0%} target)",
+        f"  top-1 agreement      {ppl['top1_agreement']:.1%} of positions (teacher-forced)",
+        f"  mean |Δ log p|       {ppl['mean_abs_logprob_difference']:.4f} nats",
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """The benchmark of `kvpool bench precision` (flags: kvpool.cli.bench)."""
+    prompts = PROMPTS[:QUICK_NUM_PROMPTS] if args.quick else PROMPTS
+    max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise SystemExit("--max-tokens must be at least 1")
+    text_tokens = QUICK_TEXT_TOKENS if args.quick else None
+    dtypes = (args.reference_dtype, args.dtype)
+    runs = [measure(args, dtype, prompts, max_tokens, text_tokens)
+            for dtype in tqdm(dtypes, desc="dtypes", unit="model", disable=args.json)]
+    result = compare(*runs, prompts, max_tokens)
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0

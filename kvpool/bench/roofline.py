@@ -1,0 +1,63 @@
+"""How much of the machine a run uses: the model FLOPs a workload needs, and the matmul peak.
+
+Model FLOPs count what the workload needs, not what an engine happens to do: every token fed
+to the model (each prompt token and each generated token but the last) passes through every
+layer's projections (2 FLOPs per weight), attends to itself and every token before it (QKᵀ and
+PV: 4 × heads × head_dim FLOPs per key), and every generated token needs one row of the LM
+head. Prompt tokens served from the prefix cache are not counted (no engine computes them), nor
+is recomputation after preemption (work an engine chose to redo).
+
+The peak is a large square `torch.mm` in the run's dtype, measured on the same machine in the
+same run (the figure a matmul-bound engine could reach; small-M matmuls reach less).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.model.config import ModelConfig
+
+PEAK_MATMUL_SIZE = 2048  # M = N = K of the peak measurement
+
+
+def layer_weights(config: ModelConfig) -> int:
+    """Weights of one decoder layer's projections (q, k, v, o, gate, up, down)."""
+    hidden, heads, kv_heads = config.hidden_size, config.num_heads, config.num_kv_heads
+    attention = hidden * config.head_dim * (2 * heads + 2 * kv_heads)
+    return attention + 3 * hidden * config.intermediate_size
+
+
+def workload_flops(config: ModelConfig, requests: Sequence[tuple[int, int]],
+                   cached_tokens: Sequence[int] | None = None) -> float:
+    """FLOPs of generating `requests`, each (prompt length, output length), when each
+    request's first `cached_tokens` prompt tokens come from the prefix cache (default none)."""
+    per_token = 2 * config.num_layers * layer_weights(config)
+    per_key = 4 * config.num_layers * config.num_heads * config.head_dim
+    lm_head_row = 2 * config.vocab_size * config.hidden_size
+    cached_tokens = cached_tokens or [0] * len(requests)
+    total = 0.0
+    for (prompt_len, output_len), cached in zip(requests, cached_tokens, strict=True):
+        fed = prompt_len + output_len - 1  # the last generated token is never fed back
+        # The token at position p attends to p + 1 keys; positions below `cached` are skipped.
+        keys = fed * (fed + 1) // 2 - cached * (cached + 1) // 2
+        total += (fed - cached) * per_token + keys * per_key + output_len * lm_head_row
+    return total
+
+
+def matmul_peak_flops(dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best FLOP/s of a square `torch.mm` on the CPU in `dtype` over `repeats` timed calls."""
+    size = PEAK_MATMUL_SIZE
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm-up: first-call costs (packing, page faults) not counted
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best

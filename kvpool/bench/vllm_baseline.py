@@ -1,0 +1,95 @@
+"""vLLM as the throughput benchmark's baseline: the same requests, run in vLLM's own venv.
+
+vLLM and kvpool cannot share an environment (vLLM pins its own dependency set), so vLLM runs
+`vllm_runner.py` as a subprocess of the interpreter `make vllm-venv` sets up (`.venv-vllm`),
+or the one `--vllm-python` / `$KVPOOL_VLLM_PYTHON` names. The plan it reads holds the token
+ids themselves, so both engines see exactly the same prompts.
+
+vLLM cannot read a GGUF's tokenizer offline, so a GGUF model is handed to it as a HuggingFace
+directory exported from the same file (`hf_export`). Its CPU backend sizes the KV cache only
+from `VLLM_CPU_KVCACHE_SPACE`, in whole GiB: it gets kvpool's KV budget rounded up to a GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpool.memory.kv_layout import cdiv
+
+GIB = 1024**3
+DEFAULT_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+class BaselineUnavailable(RuntimeError):
+    """The vLLM baseline cannot run here; the message says what to set up."""
+
+
+def vllm_python(explicit: str | None = None) -> Path:
+    """The interpreter of vLLM's venv: `explicit`, else $KVPOOL_VLLM_PYTHON, else
+    ./.venv-vllm/bin/python; an error that names the make target when there is none."""
+    path = Path(explicit or os.environ.get("KVPOOL_VLLM_PYTHON") or DEFAULT_VENV_PYTHON)
+    if not path.exists():
+        raise BaselineUnavailable(
+            f"no vLLM interpreter at {path}: run `make vllm-venv` (or pass --vllm-python)")
+    return path
+
+
+def hf_model_directory(model: str | None) -> Path:
+    """What vLLM loads for kvpool's `model`: a HuggingFace directory as is, a GGUF file (the
+    bundled default included) as its exported directory."""
+    from kvpool.bench.hf_export import hf_directory_for
+    from kvpool.model import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    if path.suffix == ".gguf":
+        return hf_directory_for(path)
+    if not (path / "config.json").exists():
+        raise BaselineUnavailable(f"vLLM needs a GGUF file or a HuggingFace directory: {path}")
+    return path
+
+
+def vllm_kv_cache_gib(kv_cache_bytes: int) -> int:
+    """vLLM's CPU KV size, whole GiB, for kvpool's budget in bytes (rounded up)."""
+    return max(1, cdiv(kv_cache_bytes, GIB))
+
+
+def run_vllm(plan: dict, kv_cache_gib: int, python: Path) -> dict:
+    """Run `plan` (see `vllm_runner`) in vLLM; its result dict. vLLM's log goes to stderr."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-vllm-") as scratch:
+        plan_path, result_path = Path(scratch, "plan.json"), Path(scratch, "result.json")
+        plan_path.write_text(json.dumps(plan))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        completed = subprocess.run(
+            [str(python), str(RUNNER), str(plan_path), str(result_path)],
+            env=env, stdout=sys.stderr, check=False)
+        if completed.returncode != 0 or not result_path.exists():
+            raise BaselineUnavailable(
+                f"vLLM exited with status {completed.returncode}; its log is above")
+        result = json.loads(result_path.read_text())
+    result["kv_cache_gib"] = kv_cache_gib
+    return result
+
+
+def compare_tokens(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> dict:
+    """How far two engines' outputs for the same requests agree: identical requests, and the
+    first divergence as (request index, token position), or None when all are identical."""
+    first_divergence = None
+    identical = 0
+    for index, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
+        if list(mine) == list(other):
+            identical += 1
+            continue
+        pairs = zip(mine, other, strict=False)  # a shorter output diverges where it ends
+        position = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                        min(len(mine), len(other)))
+        if first_divergence is None:
+            first_divergence = (index, position)
+    return {"identical_requests": identical, "num_requests": len(ours),
+            "first_divergence": first_divergence}
