@@ -18,14 +18,7 @@ from kvpool.memory.arena import (
     PlacementPolicy,
 )
 from kvpool.memory.arena_stats import format_bytes
-
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ]),
-]
+from tests.memory.arena_checks import DEVICES
 
 
 def make_arena(nbytes: int = 16384, device: str = "cpu", **config) -> Arena:

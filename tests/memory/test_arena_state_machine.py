@@ -17,10 +17,9 @@ from kvpool.memory.arena import (
     ArenaConfig,
     ArenaHandle,
     ArenaOutOfMemoryError,
-    FreeRange,
     PlacementPolicy,
 )
-from kvpool.memory.arena_free_list import align_up
+from tests.memory.arena_checks import assert_arena_empty, assert_no_free_range_fits, write_pattern
 
 ARENA_NBYTES = 16384
 
@@ -48,23 +47,14 @@ class ArenaMachine(RuleBasedStateMachine):
         try:
             handle = self.arena.allocate(nbytes, alignment=alignment)
         except ArenaOutOfMemoryError as error:
-            self._check_failure_was_real(error, alignment)
+            assert_no_free_range_fits(self.arena, error, alignment)
             event("allocation failed")
             return
         self.num_allocations += 1
         self.next_seed += 1
-        # Writing a pattern per allocation makes any overlap visible as clobbered bytes.
-        pattern = ((torch.arange(nbytes) * 31 + self.next_seed) % 256).to(torch.uint8)
-        self._bytes(handle).copy_(pattern)
         self.live.append(handle)
-        self.expected[id(handle)] = pattern
+        self.expected[id(handle)] = write_pattern(self._bytes(handle), self.next_seed)
         self.requested[id(handle)] = alignment
-
-    def _check_failure_was_real(self, error: ArenaOutOfMemoryError, alignment: int | None) -> None:
-        step = math.lcm(alignment or 1, 256)
-        for free_range in self.arena.free_ranges():
-            placed = align_up(free_range.offset, step)
-            assert placed + error.num_rounded_bytes > free_range.end
 
     @precondition(lambda self: bool(self.live))
     @rule(index=st.integers(0, 10**6))
@@ -97,10 +87,8 @@ class ArenaMachine(RuleBasedStateMachine):
         for handle in self.live:
             self.arena.free(handle)
         self.live.clear()
-        assert self.arena.free_ranges() == [FreeRange(0, ARENA_NBYTES)]
+        assert_arena_empty(self.arena, ARENA_NBYTES)
         stats = self.arena.stats()
-        assert (stats.num_free_bytes, stats.num_allocated_bytes) == (ARENA_NBYTES, 0)
-        assert stats.num_internal_waste_bytes == stats.num_live_allocations == 0
         assert stats.num_allocations == stats.num_frees == self.num_allocations
 
 

@@ -8,16 +8,10 @@ import torch
 
 from kvpool.memory.arena import ArenaConfig, ArenaOutOfMemoryError, FreeRange
 from kvpool.sim.size_class_arena import ClassedHandle, SizeClassArena, SizeClasses
+from tests.memory.arena_checks import DEVICES
 
 TINY = SizeClasses(sizes=(1024, 4096), large_granule=2048)
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ]),
-]
 
 
 def make_arena(nbytes: int = 16384, device: str = "cpu", **config) -> SizeClassArena:

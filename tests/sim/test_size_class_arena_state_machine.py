@@ -4,16 +4,14 @@ and give everything back at quiescence."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.memory.arena import ArenaConfig, ArenaOutOfMemoryError, FreeRange, PlacementPolicy
-from kvpool.memory.arena_free_list import align_up
+from kvpool.memory.arena import ArenaConfig, ArenaOutOfMemoryError, PlacementPolicy
 from kvpool.sim.size_class_arena import ClassedHandle, SizeClassArena, SizeClasses
+from tests.memory.arena_checks import assert_arena_empty, assert_no_free_range_fits, write_pattern
 
 ARENA_NBYTES = 16384
 CLASSES = SizeClasses(sizes=(512, 1024, 2048), large_granule=1024)
@@ -51,19 +49,14 @@ class SizeClassArenaMachine(RuleBasedStateMachine):
             event("allocation failed")
             return
         self.next_seed += 1
-        pattern = ((torch.arange(nbytes) * 31 + self.next_seed) % 256).to(torch.uint8)
-        self._bytes(handle).copy_(pattern)
         self.live.append(handle)
-        self.expected[id(handle)] = pattern
+        self.expected[id(handle)] = write_pattern(self._bytes(handle), self.next_seed)
 
     def _check_failure_was_real(self, error: ArenaOutOfMemoryError, alignment: int | None) -> None:
         # After a failure the caches were flushed, so the free list is all the free space, and
         # no free range may hold the request at a suitably aligned offset.
         assert self.arena.class_stats().num_cached_bytes == 0
-        step = math.lcm(alignment or 1, 256)
-        for free_range in self.arena.free_ranges():
-            placed = align_up(free_range.offset, step)
-            assert placed + error.num_rounded_bytes > free_range.end
+        assert_no_free_range_fits(self.arena, error, alignment)
 
     @precondition(lambda self: bool(self.live))
     @rule(index=st.integers(0, 10**6))
@@ -110,10 +103,7 @@ class SizeClassArenaMachine(RuleBasedStateMachine):
             self.arena.free(handle)
         self.live.clear()
         self.arena.release_cached()
-        assert self.arena.free_ranges() == [FreeRange(0, ARENA_NBYTES)]
-        stats = self.arena.stats()
-        assert (stats.num_free_bytes, stats.num_allocated_bytes) == (ARENA_NBYTES, 0)
-        assert stats.num_internal_waste_bytes == stats.num_live_allocations == 0
+        assert_arena_empty(self.arena, ARENA_NBYTES)
 
 
 SizeClassArenaMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40,
