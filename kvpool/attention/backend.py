@@ -9,6 +9,12 @@ block's K and V (every layer) are one contiguous range: copy-on-write, migration
 segments and swapping to host each move a block in one contiguous copy. A layer's view,
 `kv_cache[:, layer]`, is `[num_blocks, 2, block_size, num_kv_heads, head_dim]`
 (index 0 of dim 1 is K, index 1 is V), strided across blocks.
+
+Quantized KV (`kv_cache_dtype` int8 / fp8, `kvpool.memory.kv_quant`): the layer view holds
+codes, and `kv_scales` is the layer's view of the scale pool, `[num_blocks, 2, block_size,
+num_kv_heads]` float32 (one scale per token and KV head, K and V apart). A backend quantizes
+as it writes and dequantizes as it reads (`row = code * scale`); `kv_scales` is None for a
+float cache.
 """
 
 from __future__ import annotations
@@ -34,5 +40,6 @@ class AttentionBackend(Protocol):
         kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -6,8 +6,10 @@ the reference gathers every sequence's context into a padded copy and then reads
 moving the context three times; the kernel reads it once, on torch's own threads. Prefill and
 extend chunks (query_len > 1) keep the reference's one SDPA call each, where the matmuls
 dominate. The kernel reads float32, bfloat16 and float16 caches in place (16-bit K/V are
-widened as they are loaded; the arithmetic is float32). Inputs it does not cover (other dtypes
-or devices) take the reference path.
+widened as they are loaded; the arithmetic is float32), and quantized ones (int8 / fp8 codes
+with `kv_scales`, `kvpool.memory.kv_quant`) too: codes are widened in registers and each row's
+scale folds into its score (K) or its softmax weight (V), so no dequantized copy is made.
+Inputs it does not cover (other dtypes or devices) take the reference path.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend
 from kvpool.kernels.cpu_kernels import load_cpu_kernels
+from kvpool.memory.kv_quant import is_quantized
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -27,10 +30,14 @@ def paged_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
+    kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One decode query per sequence attending to its whole paged context (the C++ kernel)."""
+    """One decode query per sequence attending to its whole paged context (the C++ kernel);
+    `kv_scales` exactly when the cache holds int8 / fp8 codes."""
     load_cpu_kernels()
-    return torch.ops.kvpool_cpu.paged_decode(query, kv_cache_layer, block_tables, seq_lens, scale)
+    return torch.ops.kvpool_cpu.paged_decode(
+        query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales
+    )
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -48,10 +55,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache_layer: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        dtypes_served = query.dtype in KERNEL_DTYPES and kv_cache_layer.dtype in KERNEL_DTYPES
-        if query.device.type != "cpu" or not dtypes_served:
-            return super()._decode(query, kv_cache_layer, metadata, scale)
+        # A float cache is read as it is; a quantized one (int8 / fp8 codes) with its scales.
+        cache_served = (kv_cache_layer.dtype in KERNEL_DTYPES if kv_scales is None
+                        else is_quantized(kv_cache_layer.dtype))
+        if query.device.type != "cpu" or query.dtype not in KERNEL_DTYPES or not cache_served:
+            return super()._decode(query, kv_cache_layer, metadata, scale, kv_scales)
         num_decode = query.shape[0]
         return paged_decode(
             query,
@@ -59,4 +69,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.block_tables[:num_decode],
             metadata.seq_lens[:num_decode],
             scale,
+            kv_scales,
         )

@@ -17,6 +17,11 @@ SDPA sees `[num_kv_heads, group_size, head_dim]` against `[num_kv_heads, context
 Prefill keeps the `[1, num_heads, query_len, head_dim]` shape with `enable_gqa`, because that
 is the shape PyTorch's fused (flash) CPU kernel takes: the folded one fell back to the unfused
 math path, about 4.5x slower for a 512-token prompt.
+
+Quantized KV (int8 / fp8 codes with `kv_scales`): the write quantizes each row
+(`kvpool.memory.kv_quant.quantize`), and the gather dequantizes the gathered copy of the codes
+into the query's dtype (`code * scale`). Being the reference, it may: the kernels dequantize in
+registers instead.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch.torch_version import TorchVersion
 
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.kernels.fused import write_kv_
+from kvpool.memory.kv_quant import dequantize
 
 # `enable_gqa` arrived in PyTorch 2.5; older versions get K/V repeated per query head instead.
 SDPA_HAS_GQA = TorchVersion(torch.__version__) >= "2.5"
@@ -54,14 +60,31 @@ def gather_context(
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, num_blocks_per_seq] int
     workspace: Workspace | None = None,
+    kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of each sequence's blocks laid end to end: two
     `[num_seqs, num_kv_heads, num_blocks_per_seq * block_size, head_dim]` views.
 
     One `index_select` over a `[2, num_kv_heads, num_blocks, block_size, head_dim]` view of the
     cache gathers straight into the layout attention reads, so no second copy is needed; with a
-    workspace it lands in a reused buffer instead of fresh pages.
+    workspace it lands in a reused buffer instead of fresh pages. With `kv_scales` the gathered
+    codes are dequantized into `dtype`, a new tensor.
     """
+    keys, values = _gather_codes(kv_cache_layer, block_tables, workspace)
+    if kv_scales is None:
+        return keys, values
+    num_seqs = block_tables.shape[0]
+    block_ids = block_tables.reshape(-1).long()
+    scales = kv_scales.permute(1, 3, 0, 2).index_select(2, block_ids)  # [2, Hkv, n, block_size]
+    scales = scales.reshape(2, scales.shape[1], num_seqs, -1).transpose(1, 2)
+    assert dtype is not None, "dequantizing needs the dtype to dequantize into"
+    return dequantize(keys, scales[0], dtype), dequantize(values, scales[1], dtype)
+
+
+def _gather_codes(
+    kv_cache_layer: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     num_seqs, num_blocks_per_seq = block_tables.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
     source = kv_cache_layer.permute(1, 3, 0, 2, 4)  # [2, Hkv, num_blocks, block_size, D]
@@ -173,16 +196,20 @@ class TorchAttentionBackend:
         kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        write_kv_(kv_cache_layer, key, value, metadata.slot_mapping)
+        write_kv_(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
         if num_decode:
-            output[:num_decode] = self._decode(query[:num_decode], kv_cache_layer, metadata, scale)
+            output[:num_decode] = self._decode(
+                query[:num_decode], kv_cache_layer, metadata, scale, kv_scales
+            )
         starts = metadata.query_start_loc.tolist()
         for seq_index in range(num_decode, metadata.num_seqs):
             self._prefill_one(
-                query, output, kv_cache_layer, metadata, seq_index, starts[seq_index], scale
+                query, output, kv_cache_layer, metadata, seq_index, starts[seq_index], scale,
+                kv_scales,
             )
         return output
 
@@ -192,15 +219,18 @@ class TorchAttentionBackend:
         kv_cache_layer: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self._decode_plan is None or self._decode_plan[0] is not metadata:
             self._decode_plan = (metadata, plan_decode_groups(metadata))
         groups = self._decode_plan[1]
         if len(groups) == 1:
-            return self._decode_group(query, kv_cache_layer, groups[0], scale)
+            return self._decode_group(query, kv_cache_layer, groups[0], scale, kv_scales)
         output = torch.empty_like(query)
         for group in groups:
-            output[group.rows] = self._decode_group(query[group.rows], kv_cache_layer, group, scale)
+            output[group.rows] = self._decode_group(
+                query[group.rows], kv_cache_layer, group, scale, kv_scales
+            )
         return output
 
     def _decode_group(
@@ -209,9 +239,12 @@ class TorchAttentionBackend:
         kv_cache_layer: torch.Tensor,
         group: DecodeGroup,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
-        keys, values = gather_context(kv_cache_layer, group.block_tables, self.workspace)
+        keys, values = gather_context(
+            kv_cache_layer, group.block_tables, self.workspace, kv_scales, query.dtype
+        )
         num_kv_heads = keys.shape[1]
         grouped_query = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
@@ -232,13 +265,14 @@ class TorchAttentionBackend:
         seq_index: int,
         start: int,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         query_len = metadata.query_lens_cpu[seq_index]
         seq_len = metadata.seq_lens_cpu[seq_index]
         num_blocks = metadata.layout.num_blocks_for_tokens(seq_len)
         table = metadata.block_tables[seq_index : seq_index + 1, :num_blocks]
         keys, values = gather_context(
-            kv_cache_layer, table, self.workspace
+            kv_cache_layer, table, self.workspace, kv_scales, query.dtype
         )  # [1, Hkv, >=seq_len, D]
         keys, values = keys[:, :, :seq_len].to(query.dtype), values[:, :, :seq_len].to(query.dtype)
         seq_query = query[start : start + query_len].transpose(0, 1)[None]  # [1, H, q_len, D]

@@ -6,6 +6,10 @@
 3. `paged_prefill` attends for the rest (prefill and chunked-prefill / extend sequences), over
    their cached prefix and their new tokens.
 
+A quantized cache (int8 / fp8, `kv_scales` given) flows through all three: `write_kv` quantizes
+the new rows and stores their scales, and both attention kernels dequantize K/V tiles in
+registers (`triton_decode.load_kv_tile`).
+
 All planning uses the host copies in the metadata (`seq_lens_cpu`, `query_lens_cpu`), so a step
 never waits on the device.
 """
@@ -39,8 +43,9 @@ class TritonAttentionBackend:
         kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        write_kv(kv_cache_layer, key, value, metadata.slot_mapping)
+        write_kv(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
         if num_decode:
@@ -54,6 +59,7 @@ class TritonAttentionBackend:
                 max_seq_len=max(metadata.seq_lens_cpu[:num_decode]),
                 out=output[:num_decode],
                 config=self.decode_config,
+                kv_scales=kv_scales,
             )
         if num_decode < metadata.num_seqs:
             paged_prefill(
@@ -66,5 +72,6 @@ class TritonAttentionBackend:
                 max_query_len=max(metadata.query_lens_cpu[num_decode:]),
                 out=output,
                 config=self.prefill_config,
+                kv_scales=kv_scales,
             )
         return output

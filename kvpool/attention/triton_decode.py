@@ -12,6 +12,14 @@ When a batch has too few (sequence, KV head) pairs to fill the GPU, the context 
 second, small reduction kernel. `choose_num_splits` picks the split count from the batch size and
 the context length; with one split the first kernel writes the output directly.
 
+Quantized KV (int8 / fp8 codes with `kv_scales`, `kvpool.attention.triton_kv`): `load_kv_tile`
+loads a tile's codes and its tokens' K and V scales (one per token, gathered through the same
+block table), and `dequantize_tile` widens each tile in registers just before its `tl.dot`,
+`(code.to(fp32) * scale).to(query dtype)`: exactly what the torch reference computes on its
+gathered copy, while no dequantized copy of the context ever exists here. fp8 codes are loaded
+as fp8 (the interpreter widens all 256 codes exactly; the GPU converts them in hardware). The
+constexpr `KV_QUANT` leaves the float path as it was.
+
 Invariants: every sequence has `seq_len >= 1`; `block_tables[i]` holds valid ids for its first
 `ceil(seq_len / block_size)` entries; the K/V of every context token is already in the cache.
 """
@@ -24,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kvpool.attention.triton_kv import kv_quant_mode, scale_strides
 
 LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's reduction costs more than its parallelism
@@ -62,6 +72,7 @@ def choose_num_splits(
 @triton.jit
 def load_kv_tile(
     kv_head_ptr,
+    scale_head_ptr,
     block_table_ptr,
     tokens,
     token_mask,
@@ -70,17 +81,43 @@ def load_kv_tile(
     stride_kv_block,
     stride_kv_kv,
     stride_kv_slot,
+    stride_s_block,
+    stride_s_kv,
+    stride_s_slot,
     BLOCK_SIZE: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """K and V of context `tokens` of one sequence and KV head, read through its block table:
-    two `[BLOCK_N, BLOCK_D]` tiles, zero where a token or dimension is masked out."""
+    two `[BLOCK_N, BLOCK_D]` tiles, zero where a token or dimension is masked out, and for a
+    quantized cache (`KV_QUANT` != 0) the tokens' K and V scales (`[BLOCK_N]`; 1.0 otherwise).
+    Codes stay codes here: the caller widens each tile with `dequantize_tile` where that costs
+    the fewest registers (decode: each just before its `tl.dot`, so one wide tile is live)."""
     block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
-    row_offsets = block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_slot
+    block_ids = block_ids.to(tl.int64)
+    slots = tokens % BLOCK_SIZE
+    row_offsets = block_ids * stride_kv_block + slots * stride_kv_slot
     kv_ptrs = kv_head_ptr + row_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
     kv_mask = token_mask[:, None] & dim_mask[None, :]
     k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
     v = tl.load(kv_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
-    return k, v
+    if KV_QUANT != 0:
+        scale_ptrs = scale_head_ptr + block_ids * stride_s_block + slots * stride_s_slot
+        k_scales = tl.load(scale_ptrs, mask=token_mask, other=0.0)
+        v_scales = tl.load(scale_ptrs + stride_s_kv, mask=token_mask, other=0.0)
+    else:
+        k_scales = 1.0
+        v_scales = 1.0
+    return k, v, k_scales, v_scales
+
+
+@triton.jit
+def dequantize_tile(codes, scales, KV_QUANT: tl.constexpr, DTYPE: tl.constexpr):
+    """A `[BLOCK_N, BLOCK_D]` tile of codes times its tokens' `scales`, in registers, rounded to
+    `DTYPE` (the query's): `kv_quant.dequantize` to the bit. A float tile passes unchanged."""
+    if KV_QUANT != 0:
+        return (codes.to(tl.float32) * scales[:, None]).to(DTYPE)
+    else:
+        return codes
 
 
 @triton.jit
@@ -96,6 +133,7 @@ def _split_range(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
 def _decode_kernel(
     query_ptr,
     kv_ptr,
+    scales_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -108,6 +146,9 @@ def _decode_kernel(
     stride_kv_kv,
     stride_kv_slot,
     stride_kv_head,
+    stride_s_block,
+    stride_s_kv,
+    stride_s_slot,
     stride_bt_seq,
     stride_out_seq,
     stride_out_head,
@@ -122,6 +163,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,15 +183,18 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     kv_head_ptr = kv_ptr + kv_head * stride_kv_head
+    scale_head_ptr = scales_ptr + kv_head  # the scales' head dimension is contiguous
     block_table_ptr = block_tables_ptr + seq_id.to(tl.int64) * stride_bt_seq
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        k, v = load_kv_tile(
-            kv_head_ptr, block_table_ptr, tokens, token_mask, dims, dim_mask,
-            stride_kv_block, stride_kv_kv, stride_kv_slot, BLOCK_SIZE,
+        k, v, k_scales, v_scales = load_kv_tile(
+            kv_head_ptr, scale_head_ptr, block_table_ptr, tokens, token_mask, dims, dim_mask,
+            stride_kv_block, stride_kv_kv, stride_kv_slot, stride_s_block, stride_s_kv,
+            stride_s_slot, BLOCK_SIZE, KV_QUANT,
         )  # fmt: skip
 
+        k = dequantize_tile(k, k_scales, KV_QUANT, q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -157,6 +202,7 @@ def _decode_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
+        v = dequantize_tile(v, v_scales, KV_QUANT, q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -248,10 +294,12 @@ def paged_decode(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
 ) -> torch.Tensor:
     """Attention of each sequence's one query token over its whole paged context.
 
-    `max_seq_len` (a host int) drives the split heuristic; `num_splits` overrides it.
+    `max_seq_len` (a host int) drives the split heuristic; `num_splits` overrides it. A
+    quantized cache (int8 / fp8 codes) needs its `kv_scales`.
     """
     config = config or DecodeConfig()
     num_seqs, num_heads, head_dim = query.shape
@@ -260,19 +308,21 @@ def paged_decode(
     assert query.stride(2) == 1 and kv_cache_layer.stride(4) == 1
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.stride(2) == 1
+    kv_quant_mode(kv_cache_layer, kv_scales)  # asserts that the scales fit the cache
     if num_seqs == 0:
         return out
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device), config.block_n
         )
+    cache = (kv_cache_layer, kv_scales)
     if num_splits == 1:
-        _launch_decode(query, kv_cache_layer, block_tables, seq_lens, scale, config, out, None)
+        _launch_decode(query, cache, block_tables, seq_lens, scale, config, out, None)
         return out
     # [num_seqs, num_heads, num_splits, head_dim] outputs and [..., num_splits] log-sum-exps
     partial = query.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32)
     lse = query.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32)
-    _launch_decode(query, kv_cache_layer, block_tables, seq_lens, scale, config, partial, lse)
+    _launch_decode(query, cache, block_tables, seq_lens, scale, config, partial, lse)
     _reduce_kernel[(num_seqs, num_heads)](
         partial,
         lse,
@@ -294,7 +344,7 @@ def paged_decode(
 
 def _launch_decode(
     query: torch.Tensor,
-    kv_cache_layer: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor | None],  # the layer view and its scales (or None)
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -302,6 +352,7 @@ def _launch_decode(
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], or per split with `lse`
     lse: torch.Tensor | None,  # [num_seqs, num_heads, num_splits] when split
 ) -> None:
+    kv_cache_layer, kv_scales = cache
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache_layer.shape[3]
     num_splits = 1 if lse is None else lse.shape[2]
@@ -312,6 +363,7 @@ def _launch_decode(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         kv_cache_layer,
+        kv_cache_layer if kv_scales is None else kv_scales,
         block_tables,
         seq_lens,
         out,
@@ -321,6 +373,7 @@ def _launch_decode(
         query.stride(0),
         query.stride(1),
         *kv_cache_layer.stride()[:4],
+        *scale_strides(kv_scales),
         block_tables.stride(0),
         *out_strides,
         *lse_strides,
@@ -332,6 +385,7 @@ def _launch_decode(
         BLOCK_N=config.block_n,
         IS_SPLIT=lse is not None,
         DOT_PRECISION=dot_precision(query.dtype),
+        KV_QUANT=kv_quant_mode(kv_cache_layer, kv_scales),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

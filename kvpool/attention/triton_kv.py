@@ -7,6 +7,19 @@ Layout (`kvpool.attention.backend`): a layer view is
 contiguous range. The kernels take strides, so they work on either; only the innermost
 dimension must be contiguous.
 
+Quantized KV (`kv_cache_dtype` int8 / fp8, `kvpool.memory.kv_quant`): the cache holds codes
+and a scale tensor `[num_blocks, 2, block_size, num_kv_heads]` float32 (a layer view of
+`KVCache.scales`; innermost dimension contiguous) holds one scale per (token, KV head), K and V
+apart. `write_kv` quantizes in the kernel, as `kv_quant.quantize` does: per row
+`scale = amax(|row|) / qmax` (1 for an all-zero row), code = `row / scale` clamped to ±qmax and
+rounded to nearest even (int8 to an integer; fp8 to the format, in integer arithmetic on the
+float32 bits, because the interpreter's float → fp8 conversion does not round to nearest even).
+Both divisions are IEEE (`div_rn`; plain `/` is approximate on the GPU), so codes and scales
+equal the torch reference's bit for bit. `KV_QUANT` (a constexpr: `kv_quant_mode`) selects the
+path, so a float cache compiles to the kernel it always was. The scales of a block move with its
+codes: `copy_blocks` on the scale tensor copies them (each block is one contiguous range there
+too).
+
 Invariants the callers keep (checked on the host where that is free):
 - `slot_mapping` holds one slot per new token, `block_id * block_size + offset`, all distinct.
 - Block copies: destination ids are distinct and none of them is also a source, so the copies
@@ -23,12 +36,100 @@ import triton.language as tl
 
 COPY_CHUNK = 4096  # elements per program in the block copy: 8 KiB of bf16, 16 B per thread
 
+# KV_QUANT modes of the kernels: how the cache stores K/V (float is the cache's own dtype).
+KV_QUANT_NONE, KV_QUANT_INT8, KV_QUANT_E4M3, KV_QUANT_E5M2 = 0, 1, 2, 3
+_KV_QUANT_MODES = {
+    torch.int8: KV_QUANT_INT8,
+    torch.float8_e4m3fn: KV_QUANT_E4M3,
+    torch.float8_e5m2: KV_QUANT_E5M2,
+}
+# The largest code of each mode (`kvpool.memory.kv_layout.QUANTIZED_CODE_MAX`).
+KV_QUANT_MAX = {
+    KV_QUANT_NONE: 1.0,
+    KV_QUANT_INT8: 127.0,
+    KV_QUANT_E4M3: 448.0,
+    KV_QUANT_E5M2: 57344.0,
+}
+
+
+def kv_quant_mode(kv_cache_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
+    """The kernels' `KV_QUANT` for a cache layer view and its scales (None for a float cache);
+    asserts that the scales fit the cache: `[num_blocks, 2, block_size, num_kv_heads]` float32,
+    innermost dimension contiguous."""
+    mode = _KV_QUANT_MODES.get(kv_cache_layer.dtype, KV_QUANT_NONE)
+    if mode == KV_QUANT_NONE:
+        assert kv_scales is None, f"a {kv_cache_layer.dtype} KV cache has no scales"
+        return mode
+    assert kv_scales is not None, f"a {kv_cache_layer.dtype} KV cache needs kv_scales"
+    assert kv_scales.shape == kv_cache_layer.shape[:4], "scales must be [blocks, 2, slots, heads]"
+    assert kv_scales.dtype == torch.float32 and kv_scales.stride(3) == 1
+    assert kv_scales.device == kv_cache_layer.device
+    return mode
+
+
+def scale_strides(kv_scales: torch.Tensor | None) -> tuple[int, int, int]:
+    """(block, K/V, slot) strides of the scale tensor; zeros without one."""
+    return (0, 0, 0) if kv_scales is None else tuple(kv_scales.stride()[:3])
+
+
+@triton.jit
+def _round_half_even(x):
+    """x rounded to the nearest integer, ties to even (|x| < 2**22; IEEE addition rounds)."""
+    magic = 12582912.0  # 1.5 * 2**23: the sum's last place is 1
+    return (x + magic) - magic
+
+
+@triton.jit
+def _fp8_bits(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The 8-bit pattern of float32 `x` (finite, |x| <= the format's max) in an fp8 format with
+    `MANTISSA` bits and exponent bias `BIAS`, rounded to nearest even, as int32.
+
+    Integer arithmetic on the float32 bits (as torch's `c10` conversion does for normals), so
+    the interpreter and the GPU give the same code: normals add the rebias and the rounding
+    increment to the bits (a mantissa carry moves into the exponent, as it should); values below
+    the smallest normal are shifted into the subnormal range with an explicit tie-to-even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    drop: tl.constexpr = 23 - MANTISSA  # float32 mantissa bits that go
+    normal = mag + (((BIAS - 127) << 23) + (1 << (drop - 1)) - 1) + ((mag >> drop) & 1)
+    normal = normal >> drop
+    # Subnormal: |x| / 2**(1 - BIAS - MANTISSA), the float32 significand shifted right.
+    significand = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum((151 - BIAS - MANTISSA) - (mag >> 23), 1), 25)  # normals: 1
+    kept = significand >> shift
+    rest = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    kept += ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
+    is_normal = mag >= ((128 - BIAS) << 23)  # |x| >= 2**(1 - BIAS)
+    return (sign << 7) | tl.where(is_normal, normal, kept)
+
+
+@triton.jit
+def quantize_rows(rows, KV_QUANT: tl.constexpr, QMAX: tl.constexpr, CODE_TYPE: tl.constexpr):
+    """`[R, D]` float rows → (codes `[R, D]` of `CODE_TYPE`, scales `[R]` float32): one symmetric
+    scale per row, `kvpool.memory.kv_quant.quantize` to the bit (masked entries must be 0; a
+    wholly masked row gets scale 1)."""
+    rows = rows.to(tl.float32)
+    amax = tl.max(tl.abs(rows), axis=1)
+    scales = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
+    scaled = tl.math.div_rn(rows, tl.broadcast_to(scales[:, None], rows.shape))
+    scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
+    if KV_QUANT == 1:  # int8
+        codes = _round_half_even(scaled).to(CODE_TYPE)
+    elif KV_QUANT == 2:  # float8 e4m3fn
+        codes = _fp8_bits(scaled, 3, 7).to(tl.uint8).to(CODE_TYPE, bitcast=True)
+    else:  # float8 e5m2
+        codes = _fp8_bits(scaled, 2, 15).to(tl.uint8).to(CODE_TYPE, bitcast=True)
+    return codes, scales
+
 
 @triton.jit
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
     kv_ptr,
+    scales_ptr,
     slot_mapping_ptr,
     stride_key_token,
     stride_key_head,
@@ -38,11 +139,16 @@ def _write_kv_kernel(
     stride_kv_kv,
     stride_kv_slot,
     stride_kv_head,
+    stride_s_block,
+    stride_s_kv,
+    stride_s_slot,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     # One program per new token: all of its heads, K and V, in one pass.
     token_id = tl.program_id(0).to(tl.int64)
@@ -57,6 +163,7 @@ def _write_kv_kernel(
     key = tl.load(
         key_ptr + token_id * stride_key_token + heads[:, None] * stride_key_head + dims[None, :],
         mask=mask,
+        other=0.0,
     )
     value = tl.load(
         value_ptr
@@ -64,11 +171,23 @@ def _write_kv_kernel(
         + heads[:, None] * stride_value_head
         + dims[None, :],
         mask=mask,
+        other=0.0,
     )
     dst = kv_ptr + block_id * stride_kv_block + offset * stride_kv_slot
     dst = dst + heads[:, None] * stride_kv_head + dims[None, :]
-    tl.store(dst, key.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv_kv, value.to(kv_ptr.dtype.element_ty), mask=mask)
+    code_type = kv_ptr.dtype.element_ty
+    if KV_QUANT == 0:
+        tl.store(dst, key.to(code_type), mask=mask)
+        tl.store(dst + stride_kv_kv, value.to(code_type), mask=mask)
+    else:
+        head_mask = heads < NUM_KV_HEADS
+        key_codes, key_scales = quantize_rows(key, KV_QUANT, QMAX, code_type)
+        value_codes, value_scales = quantize_rows(value, KV_QUANT, QMAX, code_type)
+        tl.store(dst, key_codes, mask=mask)
+        tl.store(dst + stride_kv_kv, value_codes, mask=mask)
+        scale_dst = scales_ptr + block_id * stride_s_block + offset * stride_s_slot + heads
+        tl.store(scale_dst, key_scales, mask=head_mask)
+        tl.store(scale_dst + stride_s_kv, value_scales, mask=head_mask)
 
 
 @triton.jit
@@ -95,31 +214,38 @@ def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
 ) -> None:
     """Store each new token's K and V at its slot (`kv[block, 0|1, offset]`); same contract as
-    `kvpool.memory.kv_cache.write_kv`."""
+    `kvpool.memory.kv_cache.write_kv`. A quantized cache (int8 / fp8, with `kv_scales`) stores
+    each (token, KV head) row's codes and its scale at `kv_scales[block, 0|1, offset, head]`."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, "key and value must have the same shape"
     assert kv_cache_layer.shape[3:] == (num_kv_heads, head_dim), "cache heads/dim mismatch"
     assert slot_mapping.shape == (num_tokens,), "one slot per new token"
     assert key.stride(2) == value.stride(2) == kv_cache_layer.stride(4) == 1
+    mode = kv_quant_mode(kv_cache_layer, kv_scales)
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
         kv_cache_layer,
+        kv_cache_layer if kv_scales is None else kv_scales,
         slot_mapping,
         key.stride(0),
         key.stride(1),
         value.stride(0),
         value.stride(1),
         *kv_cache_layer.stride()[:4],
+        *scale_strides(kv_scales),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache_layer.shape[2],
+        KV_QUANT=mode,
+        QMAX=KV_QUANT_MAX[mode],
         num_warps=4,
     )
 

@@ -1,7 +1,9 @@
-"""`kvpool bench precision`: how far bfloat16 strays from float32 on the same model.
+"""`kvpool bench precision`: how far a dtype strays from a reference on the same model: the
+model's dtype (bfloat16 against float32), or the KV cache's storage (`--kv-cache-dtype int8`
+against the model's own dtype, in one model dtype).
 
-The model (default: the bundled SmolLM2-135M-Instruct GGUF) is loaded once per dtype with
-kvpool's `LLM`, the reference (float32) first, then the measured dtype (bfloat16), each freed
+The model (default: the bundled SmolLM2-135M-Instruct GGUF) is loaded once per configuration
+with kvpool's `LLM`, the reference (float32, KV auto) first, then the measured one, each freed
 before the next is loaded. Two measures:
 
 1. Greedy divergence: `PROMPTS` (raw text, no chat template) decoded greedily for `max_tokens`
@@ -12,8 +14,10 @@ before the next is loaded. Two measures:
    later than that). With each divergence comes the reference's gap, in nats, between its two
    most likely tokens there (`logprobs=2`): a small gap is a near-tie that rounding can flip.
 2. Perplexity of `TEXT` (held-out prose written for this benchmark, so the model has not
-   memorised it): the engine has no prompt logprobs, so the text is run as one prefill through
-   the engine's own model and a paged KV cache of its layout, logits at every position. Also
+   memorised it; `kvpool.bench.heldout_text`): the engine has no prompt logprobs, so the text is
+   run as one prefill through the engine's own model and a paged KV cache of its layout,
+   logits at every position. Attention reads K/V back from that cache, so a quantized cache's
+   rounding is in every position's logits. Also
    reported: teacher-forced top-1 agreement (the two dtypes pick the same next token, given
    the same true prefix) and the mean |Δ log p| of the true next token.
 
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+
+from kvpool.bench.heldout_text import TEXT
 
 PROMPTS = (
     "The old lighthouse at the edge of the harbour",
@@ -52,48 +58,20 @@ PROMPTS = (
     "After the storm had passed, the villagers",
 )
 
-TEXT = """\
-The canal village of Marrow End has never been on the way to anywhere. The towpath runs past \
-it, the barges slow down to pass under its low stone bridge, and then they go on towards the \
-mills and the market towns, leaving the place much as they found it. For most of the year the \
-water is the colour of strong tea, and in the mornings a thin mist lies on it until the sun is \
-high enough to burn it away.
-
-The lock keeper, a tall woman called Agnes Pell, has worked the lock for thirty-one years. She \
-knows every boat by the sound of its engine and most of the boatmen by the way they throw a \
-rope. In spring she paints the balance beams white, because, she says, a beam that can be seen \
-in the dark is a beam that nobody walks into. In summer she sells eggs and lettuces from a \
-table by her door, and she leaves a tin for the money when she goes inside to make her tea. \
-The tin has never been stolen, although once, many years ago, somebody left a button in it \
-instead of a coin, and the village talked about nothing else for a week.
-
-Autumn is the busy season. The apples from the orchards on the hill come down to the wharf in \
-wooden crates, and for a few weeks the air smells of fruit and diesel and wet leaves. Children \
-who are supposed to be at school find reasons to be near the water. The baker makes a cake \
-with the first of the apples and cuts it into squares for anyone who has helped with the \
-loading, and there is always some argument about who has helped and who has only watched.
-
-In winter the canal sometimes freezes at the edges, and the ducks stand on the ice looking \
-offended. The boats come less often. Agnes mends the lock gates, reads the books that the \
-library van brings on the first Thursday of each month, and writes letters to a nephew in \
-Canada who has never once written back. She does not seem to mind. Letters, she says, are \
-not really for the person who reads them; they are a way of putting your own thoughts in \
-order, the way you might sweep a floor before anyone comes to visit.
-
-Visitors do come, now and then. A walker will stop on the bridge to ask the way, or a family \
-on a hired boat will tie up for the night and knock on her door to ask whether the water is \
-safe to drink. She tells them the truth, which is that it is not, and gives them a jug from \
-her own tap. Most of them send a postcard afterwards. She keeps the postcards in a shoebox \
-under the stairs, and on long evenings she takes them out and reads them again, one by one, \
-as if they were news from a large and interesting family that she has somehow never met.
-"""
 
 QUICK_NUM_PROMPTS = 4
 QUICK_MAX_TOKENS = 16
 QUICK_TEXT_TOKENS = 128
 DEFAULT_MAX_TOKENS = 128
 KV_CACHE_MEMORY = 256 * 2**20  # enough for every prompt's full length in fp32, and the text
-PERPLEXITY_TARGET = 0.01  # the measured dtype's perplexity within 1% of the reference's
+# How far the measured perplexity may stray from the reference's, by what is measured: the
+# model's dtype (a float KV cache) or the KV storage dtype.
+PERPLEXITY_TARGETS = {"float": 0.01, "int8": 0.01, "float8_e4m3fn": 0.03, "float8_e5m2": 0.05}
+
+
+def perplexity_target(kv_cache_dtype: str) -> float:
+    """The relative perplexity bound for a run whose KV is stored as `kv_cache_dtype`."""
+    return PERPLEXITY_TARGETS.get(kv_cache_dtype, PERPLEXITY_TARGETS["float"])
 
 
 @dataclass(frozen=True)
@@ -103,6 +81,7 @@ class DtypeRun:
     next token and the token the model ranks first."""
 
     dtype: str  # the resolved torch dtype's name ("auto" already decided)
+    kv_cache_dtype: str  # the KV storage dtype's name (likewise resolved)
     generated: list[list[int]]
     top2_gaps: list[list[float]]
     text_logprobs: list[float]
@@ -112,24 +91,31 @@ class DtypeRun:
     def perplexity(self) -> float:
         return math.exp(-statistics.fmean(self.text_logprobs))
 
+    @property
+    def label(self) -> str:
+        if self.kv_cache_dtype == self.dtype:
+            return self.dtype
+        return f"{self.dtype}, KV {self.kv_cache_dtype}"
 
-def measure(args: argparse.Namespace, dtype: str, prompts: tuple[str, ...],
+
+def measure(args: argparse.Namespace, dtype: str, kv_cache_dtype: str, prompts: tuple[str, ...],
             max_tokens: int, text_tokens: int | None) -> DtypeRun:
-    """Load the model in `dtype`, decode `prompts` greedily, score `TEXT`, free the model."""
+    """Load the model in `dtype` with its KV stored as `kv_cache_dtype`, decode `prompts`
+    greedily, score `TEXT`, free the model."""
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype=dtype, device=args.device, attention_backend=args.attention_backend,
-              kv_cache_memory=KV_CACHE_MEMORY, enable_warmup=False)
+              kv_cache_memory=KV_CACHE_MEMORY, enable_warmup=False, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     outputs = llm.generate(list(prompts), params, use_tqdm=not args.json)
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:
         raise SystemExit("the precision benchmark needs a model with a tokenizer")
     text_ids = tokenizer.encode(TEXT)[:text_tokens]
-    logprobs, argmax = teacher_forced(llm, text_ids)
+    logprobs, argmax = teacher_forced(llm.engine, text_ids)
     completions = [output.outputs[0] for output in outputs]
-    run = DtypeRun(str(llm.engine.dtype).removeprefix("torch."),
+    run = DtypeRun(str(llm.engine.dtype).removeprefix("torch."), llm.engine.kv_memory.layout.dtype,
                    [list(completion.token_ids) for completion in completions],
                    [[_top2_gap(entries) for entries in completion.logprobs or []]
                     for completion in completions],
@@ -146,14 +132,13 @@ def _top2_gap(entries: dict) -> float:
 
 
 @torch.inference_mode()
-def teacher_forced(llm, token_ids: list[int]) -> tuple[list[float], list[int]]:
+def teacher_forced(engine, token_ids: list[int]) -> tuple[list[float], list[int]]:
     """Run `token_ids` as one prefill through the engine's model (a fresh paged KV cache of
     the engine's layout) with logits at every position but the last; returns the log-prob of
     each true next token and each position's top-1 token."""
     from kvpool.engine.model_runner import ModelRunner, SequenceChunk
     from kvpool.memory.kv_cache import KVCache
 
-    engine = llm.engine
     layout = engine.kv_memory.layout
     num_blocks = layout.num_blocks_for_tokens(len(token_ids))
     kv_cache = KVCache(layout, num_blocks + 1, engine.device)  # + the null block
@@ -161,7 +146,7 @@ def teacher_forced(llm, token_ids: list[int]) -> tuple[list[float], list[int]]:
     inputs = runner.prepare([SequenceChunk(token_ids, 0, list(range(1, num_blocks + 1)))])
     positions = torch.arange(len(token_ids) - 1, device=engine.device)
     logits = runner.model(inputs.token_ids, inputs.positions, kv_cache.tensor, inputs.metadata,
-                          positions)  # [len - 1, vocab] float32
+                          positions, kv_cache.scales)  # [len - 1, vocab] float32
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = inputs.token_ids[1:, None]
     true_logprobs = logprobs.gather(1, targets).squeeze(1)
@@ -190,13 +175,19 @@ def compare(reference: DtypeRun, candidate: DtypeRun, prompts: tuple[str, ...],
     deltas = [abs(a - b) for a, b in
               zip(reference.text_logprobs, candidate.text_logprobs, strict=True)]
     relative = (cand_ppl - ref_ppl) / ref_ppl
+    target = perplexity_target(candidate.kv_cache_dtype)
     return {
         "reference_dtype": reference.dtype,
         "dtype": candidate.dtype,
+        "reference_kv_cache_dtype": reference.kv_cache_dtype,
+        "kv_cache_dtype": candidate.kv_cache_dtype,
+        "reference_label": reference.label,
+        "label": candidate.label,
         "max_tokens": max_tokens,
         "prompts": [{"prompt": prompt, "first_divergence": position, "reference_top2_gap": gap}
                     for prompt, position, gap in zip(prompts, divergence, gaps, strict=True)],
         "median_first_divergence": statistics.median(counted),
+        "mean_first_divergence": statistics.fmean(counted),
         "median_reference_top2_gap_at_divergence": (
             statistics.median(found_gaps) if found_gaps else None),
         "fraction_identical": sum(position is None for position in divergence) / len(prompts),
@@ -205,7 +196,8 @@ def compare(reference: DtypeRun, candidate: DtypeRun, prompts: tuple[str, ...],
             "reference": ref_ppl,
             "candidate": cand_ppl,
             "relative_difference": relative,
-            "within_target": abs(relative) <= PERPLEXITY_TARGET,
+            "target": target,
+            "within_target": abs(relative) <= target,
             "top1_agreement": sum(agree) / len(agree),
             "mean_abs_logprob_difference": statistics.fmean(deltas),
         },
@@ -218,7 +210,7 @@ def format_table(result: dict) -> str:
 
 
 def _divergence_lines(result: dict) -> list[str]:
-    ref, cand, max_tokens = result["reference_dtype"], result["dtype"], result["max_tokens"]
+    ref, cand, max_tokens = result["reference_label"], result["label"], result["max_tokens"]
     entries = result["prompts"]
     width = max(len(entry["prompt"]) for entry in entries)
     lines = [f"greedy decoding, {max_tokens} new tokens: the first token where {cand} differs "
@@ -233,6 +225,7 @@ def _divergence_lines(result: dict) -> list[str]:
     median_gap = result["median_reference_top2_gap_at_divergence"]
     lines += ["", f"median first divergence  {result['median_first_divergence']:g} "
               f"(identical counted as {max_tokens})",
+              f"mean first divergence    {result['mean_first_divergence']:.1f}",
               f"identical throughout     {num_identical} of {len(entries)} prompts "
               f"({result['fraction_identical']:.0%})"]
     if median_gap is not None:
@@ -241,14 +234,15 @@ def _divergence_lines(result: dict) -> list[str]:
 
 
 def _perplexity_lines(result: dict) -> list[str]:
-    ref, cand, ppl = result["reference_dtype"], result["dtype"], result["perplexity"]
+    ref, cand, ppl = result["reference_label"], result["label"], result["perplexity"]
     verdict = "within" if ppl["within_target"] else "OUTSIDE"
+    width = max(len(ref), len(cand))
     return [
         f"perplexity of a {ppl['num_tokens']}-token held-out text",
-        f"  {ref:<9} {ppl['reference']:.4f}",
-        f"  {cand:<9} {ppl['candidate']:.4f}",
+        f"  {ref:<{width}} {ppl['reference']:.4f}",
+        f"  {cand:<{width}} {ppl['candidate']:.4f}",
         f"  relative difference  {ppl['relative_difference']:+.3%} "
-        f"({verdict} the {PERPLEXITY_TARGET:.0%} target)",
+        f"({verdict} the {ppl['target']:.0%} target)",
         f"  top-1 agreement      {ppl['top1_agreement']:.1%} of positions (teacher-forced)",
         f"  mean |Δ log p|       {ppl['mean_abs_logprob_difference']:.4f} nats",
     ]
@@ -261,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
     if max_tokens < 1:
         raise SystemExit("--max-tokens must be at least 1")
     text_tokens = QUICK_TEXT_TOKENS if args.quick else None
-    dtypes = (args.reference_dtype, args.dtype)
-    runs = [measure(args, dtype, prompts, max_tokens, text_tokens)
-            for dtype in tqdm(dtypes, desc="dtypes", unit="model", disable=args.json)]
+    configs = ((args.reference_dtype, args.reference_kv_cache_dtype),
+               (args.dtype, args.kv_cache_dtype))
+    runs = [measure(args, dtype, kv_cache_dtype, prompts, max_tokens, text_tokens)
+            for dtype, kv_cache_dtype in tqdm(configs, desc="configurations", unit="model",
+                                              disable=args.json)]
     result = compare(*runs, prompts, max_tokens)
     print(json.dumps(result) if args.json else format_table(result))
     return 0

@@ -6,7 +6,9 @@ Workload: prompts of random token ids (lengths uniform in `--input-len`), each g
 exactly its own output length (uniform in `--output-len`, EOS ignored, greedy). `--num-prompts
 64 32 4` runs the first 64, 32 and 4 prompts of the same seeded workload, each from an empty
 prefix cache; `--shared-prefix N` starts every prompt with the same N tokens, to show prefix
-caching; `--dtypes float32 bfloat16` repeats everything per dtype.
+caching; `--dtypes float32 bfloat16` repeats everything per dtype, and `--kv-cache-dtypes auto
+int8 fp8` everything per KV storage dtype (with `--kv-cache-memory`: the same budget, so a
+quantized pool holds more tokens; vLLM runs the same KV dtype where it has it, fp8 for int8).
 
 Each engine also reports its single-request decode latency (ms per token: the time the last
 `--latency-tokens` tokens of one request add), and each kvpool run its model FLOP/s next to the
@@ -129,7 +131,8 @@ def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload
     dtype = str(llm.engine.dtype).removeprefix("torch.")
     config = replace(config, dtype=dtype)  # "auto" resolved: the baselines run the same
     runs = workload_runs(workload.requests(llm.engine.model_config.vocab_size), args.num_prompts)
-    result = {"dtype": dtype,
+    result = {"dtype": dtype, "kv_cache_dtype": config.kv_cache_dtype,
+              "kv_bytes_per_token": llm.engine.kv_memory.layout.bytes_per_token,
               "kvpool": {"load_s": load_s, **run_kvpool(llm, runs, args.latency_tokens,
                                                         not args.json)}}
     kv_cache_bytes = llm.engine.kv_memory.arena.num_reserved_bytes
@@ -154,6 +157,7 @@ def _run_vllm(args: argparse.Namespace, config: EngineConfig, runs: Runs,
     from kvpool.bench import vllm_baseline
 
     plan = {"model": str(vllm_baseline.hf_model_directory(config.model)), "dtype": config.dtype,
+            "kv_cache_dtype": vllm_baseline.vllm_kv_cache_dtype(config.kv_cache_dtype),
             "max_num_seqs": config.max_num_seqs, "seed": config.seed,
             "runs": [{"label": label, "requests": requests} for label, requests in runs],
             "latency_prompt": runs[0][1][0][0], "latency_tokens": args.latency_tokens}
@@ -227,8 +231,9 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         "dtypes": [],
     }
     for dtype in args.dtypes or [engine_config.dtype]:
-        result = run_dtype(args, replace(engine_config, dtype=dtype), workload)
-        report["dtypes"].append(_without_token_ids(result))
+        for kv_cache_dtype in args.kv_cache_dtypes or [engine_config.kv_cache_dtype]:
+            config = replace(engine_config, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+            report["dtypes"].append(_without_token_ids(run_dtype(args, config, workload)))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=1))
     print(json.dumps(report) if args.json else format_report(report))

@@ -39,7 +39,11 @@ def _dtype_section(result: dict, peak: float | None) -> list[str]:
         gflops = ours["model_gflops_per_s"]
         row.append(f"{gflops:.1f} ({gflops / peak:.0%})" if peak else f"{gflops:.1f}")
         rows.append(row)
-    lines = [f"{result['dtype']}:", *_columns(rows)]
+    kv_dtype = result.get("kv_cache_dtype", "auto")
+    vllm_kv = f", vLLM KV {result['vllm']['kv_cache_dtype']}" if "vllm" in result else ""
+    title = (f"{result['dtype']}, KV {kv_dtype} ({result.get('kv_bytes_per_token', 0):,} "
+             f"bytes/token{vllm_kv}):")
+    lines = [title, *_columns(rows)]
     if "vllm_error" in result:
         lines.append(f"vLLM did not finish: {result['vllm_error']}")
     lines.append(_latency_line(result, systems))

@@ -55,6 +55,12 @@ def hf_model_directory(model: str | None) -> Path:
     return path
 
 
+def vllm_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """vLLM's `kv_cache_dtype` for kvpool's: the same name, except int8, which vLLM lacks:
+    fp8 there (one byte per element too, the like-for-like capacity)."""
+    return "fp8" if kv_cache_dtype == "int8" else kv_cache_dtype
+
+
 def vllm_kv_cache_gib(kv_cache_bytes: int) -> int:
     """vLLM's CPU KV size, whole GiB, for kvpool's budget in bytes (rounded up)."""
     return max(1, cdiv(kv_cache_bytes, GIB))

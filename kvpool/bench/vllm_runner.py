@@ -5,7 +5,8 @@
 It imports nothing from kvpool (kvpool is not installed there): the plan carries everything,
 token ids included, so both engines see the same requests. Plan:
 
-    {"model": HF directory, "dtype": str, "max_num_seqs": int, "seed": int,
+    {"model": HF directory, "dtype": str, "kv_cache_dtype": str, "max_num_seqs": int,
+     "seed": int,
      "runs": [{"label": str, "requests": [[prompt token ids, max_tokens], ...]}, ...],
      "latency_prompt": [token ids], "latency_tokens": int}
 
@@ -43,12 +44,14 @@ def main(plan_path: str, result_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=plan["model"], dtype=plan["dtype"], max_num_seqs=plan["max_num_seqs"],
-              seed=plan["seed"])
+              seed=plan["seed"], kv_cache_dtype=plan.get("kv_cache_dtype", "auto"))
     result = {
         "vllm_version": vllm.__version__,
         "load_s": time.perf_counter() - start,
         "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config
         .max_num_batched_tokens,
+        "kv_cache_dtype": plan.get("kv_cache_dtype", "auto"),
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         "runs": {},
     }
     for run in plan["runs"]:
@@ -56,7 +59,8 @@ def main(plan_path: str, result_path: str) -> None:
         num_output = sum(len(tokens) for tokens in token_ids)
         result["runs"][run["label"]] = {"elapsed_s": elapsed, "token_ids": token_ids,
                                         "output_tokens_per_s": num_output / elapsed}
-        print(f"vllm {plan['dtype']} {run['label']}: {num_output / elapsed:.1f} output tok/s",
+        print(f"vllm {plan['dtype']} (KV {plan.get('kv_cache_dtype', 'auto')}) {run['label']}: "
+              f"{num_output / elapsed:.1f} output tok/s",
               file=sys.stderr, flush=True)
     # Single-request decode latency: the time the last `latency_tokens` tokens add (median
     # of three pairs of runs).

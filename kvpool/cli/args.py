@@ -16,6 +16,7 @@ from kvpool.attention.selector import ATTENTION_BACKENDS
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.elastic_pool import ElasticPoolConfig
+from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 from kvpool.memory.kv_pool import KV_POOL_MODES
 from kvpool.model.dtype import DTYPE_CHOICES
 
@@ -67,6 +68,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         type=parse_size,
         default=None,
         help="KV cache size, e.g. 512MiB (CPU default 2GiB)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=tuple(KV_CACHE_DTYPES),
+        help="KV cache storage: auto (the model's dtype), a float dtype, or int8 / fp8 "
+        "(= fp8_e4m3) / fp8_e5m2 with a float32 scale per token and KV head",
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--max-num-seqs", type=int, default=256)

@@ -12,7 +12,13 @@ import argparse
 import math
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
-from kvpool.cli.args import DTYPE_CHOICES, add_engine_args, engine_config_from_args
+from kvpool.cli.args import (
+    DTYPE_CHOICES,
+    add_engine_args,
+    engine_config_from_args,
+    parse_size,
+)
+from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 
 DEFAULT_VOCAB_SIZE = 512  # --vocab-size: every preset's vocabulary is at least this large
 
@@ -23,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for register_bench in (
-        _register_blocks, _register_throughput, _register_serve, _register_precision
+        _register_blocks, _register_throughput, _register_serve, _register_precision,
+        _register_kv_capacity, _register_kv_granularity
     ):
         register_bench(bench_subparsers)
 
@@ -58,6 +65,9 @@ def _register_throughput(bench_subparsers: argparse._SubParsersAction) -> None:
                         help="transformers' static batch size")
     parser.add_argument("--vllm-python", default=None, help="the interpreter of vLLM's venv "
                         "(default $KVPOOL_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=None,
+                        choices=tuple(KV_CACHE_DTYPES), metavar="KV_DTYPE",
+                        help="repeat the benchmark per KV storage dtype, e.g. auto int8 fp8")
     parser.add_argument("--latency-tokens", type=int, default=128,
                         help="tokens of the single-request decode-latency measurement")
     parser.add_argument("--output-json", default=None, metavar="PATH",
@@ -89,13 +99,20 @@ def _register_serve(bench_subparsers: argparse._SubParsersAction) -> None:
 
 def _register_precision(bench_subparsers: argparse._SubParsersAction) -> None:
     parser = bench_subparsers.add_parser(
-        "precision", help="bf16 vs fp32: where greedy decoding diverges, and the perplexity"
+        "precision", help="bf16 vs fp32, or quantized vs float KV: where greedy decoding "
+        "diverges, and the perplexity"
     )
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES,
                         help="the dtype measured (default bfloat16)")
     parser.add_argument("--reference-dtype", default="float32", choices=DTYPE_CHOICES,
                         help="the dtype it is measured against (default float32)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                        help="the KV storage measured, e.g. int8 or fp8 (default auto: the "
+                        "model's dtype); with --dtype equal to --reference-dtype this measures "
+                        "KV quantization alone")
+    parser.add_argument("--reference-kv-cache-dtype", default="auto",
+                        choices=tuple(KV_CACHE_DTYPES), help="the reference's KV storage")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--max-tokens", type=int, default=None,
@@ -103,6 +120,29 @@ def _register_precision(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--quick", action="store_true", help="4 prompts, short text (for tests)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run_precision)
+
+
+def _register_kv_capacity(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "kv-capacity", help="KV blocks and tokens one budget holds, per kv_cache_dtype"
+    )
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=2**30,
+                        help="the budget, e.g. 1GiB (default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run_kv_capacity)
+
+
+def _register_kv_granularity(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "kv-granularity", help="quantized KV: perplexity with per-token vs per-block scales"
+    )
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--text-tokens", type=int, default=None,
+                        help="score only the first N tokens of the text (default: all)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run_kv_granularity)
 
 
 def _add_length_args(
@@ -134,6 +174,18 @@ def run_serve(args: argparse.Namespace) -> int:
     # Against a running server (--base-url) the engine flags describe nothing: no config.
     engine_config = engine_config_from_args(args) if args.base_url is None else None
     return serve.run(args, engine_config)
+
+
+def run_kv_capacity(args: argparse.Namespace) -> int:
+    from kvpool.bench import kv_capacity
+
+    return kv_capacity.run(args)
+
+
+def run_kv_granularity(args: argparse.Namespace) -> int:
+    from kvpool.bench import kv_granularity
+
+    return kv_granularity.run(args)
 
 
 def run_precision(args: argparse.Namespace) -> int:

@@ -13,11 +13,13 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from kvpool.experiments import SEED_EXPERIMENTS
+from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from kvpool.engine.llm import LLM
     from kvpool.engine.outputs import RequestOutput
     from kvpool.memory import BlockPool, BlockPoolStats
+    from kvpool.memory.kv_layout import KVLayout
 
 DEMO_SYSTEM_PROMPT = (
     "You are a concise assistant for a lighthouse museum. Answer in one or two sentences, "
@@ -43,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--experiments", action="store_true", help="run the seed's four memory experiments instead"
     )
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                        help="KV cache storage (auto: the model's dtype; int8 / fp8 quantized)")
     parser.set_defaults(func=run)
 
 
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling_params import SamplingParams
 
-    llm = LLM(max_model_len=2048)
+    llm = LLM(max_model_len=2048, kv_cache_dtype=args.kv_cache_dtype)
     conversations = [
         [{"role": "system", "content": DEMO_SYSTEM_PROMPT}, {"role": "user", "content": question}]
         for question in DEMO_QUESTIONS
@@ -78,8 +82,8 @@ def format_engine_report(llm: LLM, outputs: list[RequestOutput], max_tokens: int
     cached = sum(output.num_cached_tokens for output in outputs)
     lines = [
         f"requests                        {len(outputs)} (max_tokens {max_tokens})",
-        f"KV block                        {pool.block_size} tokens, "
-        f"{layout.bytes_per_block / 2**10:.0f} KiB",
+        f"KV block                        {pool.block_size} tokens, {pool.kv_cache_dtype}, "
+        f"{layout.bytes_per_block / 2**10:.0f} KiB{_scale_note(layout)}",
         f"peak blocks used                {stats.peak_used_blocks} of {pool.num_blocks} "
         f"({peak_bytes / 2**20:.1f} MiB)",
         f"prefix-cache hit rate           {hit_rate:.1%} ({cached} prompt tokens reused)",
@@ -89,6 +93,12 @@ def format_engine_report(llm: LLM, outputs: list[RequestOutput], max_tokens: int
         f"paged peak / contiguous         {peak_bytes / contiguous_bytes:.1%}",
     ]
     return "\n".join(lines)
+
+
+def _scale_note(layout: KVLayout) -> str:
+    if not layout.is_quantized:
+        return ""
+    return f" (scales {layout.scale_bytes_per_block / 2**10:.1f} KiB of it)"
 
 
 def run_seed_experiments() -> int:

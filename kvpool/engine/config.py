@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
+from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 from kvpool.memory.kv_pool import KV_POOL_MODES
 from kvpool.model.dtype import canonical_dtype_name
 
@@ -27,6 +28,8 @@ class EngineConfig:
     `dtype` is kept by name, normalised to "auto", "float32", "bfloat16" or "float16" (aliases
     such as "bf16" or "half", and torch dtypes, are accepted); "auto" becomes a concrete dtype
     when the model is loaded (`kvpool.model.dtype.resolve_dtype`; the engine's `dtype`).
+    `kv_cache_dtype` is the KV cache's storage dtype: "auto" (the model's), a float dtype, or
+    the quantized "int8", "fp8" (= "fp8_e4m3") and "fp8_e5m2" (`kvpool.memory.kv_quant`).
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -44,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # the model's dtype; int8 / fp8 store codes with scales
     watermark: float = 0.01  # fraction of blocks admission leaves free for running sequences
     kv_pool: str = "static"  # "static" or "elastic"
     kv_pool_initial_blocks: int | None = None  # online at start and the floor (0: lazy)
@@ -71,6 +75,9 @@ class EngineConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         self._check_kv_pool()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

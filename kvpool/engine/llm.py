@@ -31,6 +31,13 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An `LLM` over an engine already built (e.g. several engines sharing one model)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 

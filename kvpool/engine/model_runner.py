@@ -58,6 +58,7 @@ class CausalLM(Protocol):
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits] int64
+        kv_scales: torch.Tensor | None = None,  # int8/fp8 KV: the KVCache's scale pool
     ) -> torch.Tensor:  # [num_logits, vocab_size] float32
         ...
 
@@ -95,6 +96,7 @@ class ModelRunner:
             self.kv_cache.tensor,
             inputs.metadata,
             inputs.logits_indices,
+            self.kv_cache.scales,
         )
         if inputs.logits_order == sorted(inputs.logits_order):
             return logits

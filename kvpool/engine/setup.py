@@ -8,7 +8,8 @@ Sizing rule, first match wins:
 4. on the CPU: 2 GiB.
 
 The model's dtype is decided here, once: `config.dtype` ("auto" by default) becomes a torch
-dtype for the device (`kvpool.model.dtype.resolve_dtype`), and the KV cache takes the model's.
+dtype for the device (`kvpool.model.dtype.resolve_dtype`); the KV cache takes the model's,
+unless `kv_cache_dtype` names another (int8 and fp8 add a scale pool: `kvpool.memory.kv_quant`).
 The KV layout (`KVLayout`: block size, shape, dtype, bytes per block) is decided here, once,
 and handed to everything that needs it. The budget is reserved as ONE arena buffer by
 `KVMemory`, holding the usable blocks plus the null block, and the KV cache is carved from it:
@@ -95,7 +96,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
             f"max_model_len {max_model_len} exceeds the model's limit "
             f"{model_config.max_position_embeddings}"
         )
-    layout = KVLayout.for_model(model_config, config.block_size, dtype)
+    layout = KVLayout.for_model(model_config, config.block_size, dtype, config.kv_cache_dtype)
     kv_memory = KVMemory(
         layout,
         kv_num_blocks(config, layout, device),

@@ -10,8 +10,10 @@ They are built for this machine's CPU (`-march=native`), so the cache entry's na
 fingerprint of the CPU's model and flags: a home directory shared between different machines
 never loads code built for another instruction set. `-ffast-math` lets the compiler vectorise
 `exp` and reassociate the dot-product sums (compile step only: the process's floating-point
-mode is untouched). When the build fails the caller falls back to the PyTorch path with one
-warning naming the cause; `KVPOOL_CPU_KERNELS=0` skips the kernels altogether.
+mode is untouched). The headers the sources include (`HEADERS`) are hashed into the build's
+flags, because torch's rebuild check hashes only the sources. When the build fails the caller
+falls back to the PyTorch path with one warning naming the cause; `KVPOOL_CPU_KERNELS=0` skips
+the kernels altogether.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.cpp", "fused_ops.cpp")
+HEADERS = ("kv_load.h",)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 # Linking with -fopenmp records libgomp.so.1, the soname of the libgomp torch ships and has
 # already loaded, so at::parallel_for runs on torch's own OpenMP pool, never a second one.
@@ -42,6 +45,15 @@ def cpu_fingerprint() -> str:
     lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
     identity = "\n".join([platform.machine(), *lines])
     return hashlib.sha256(identity.encode()).hexdigest()[:10]
+
+
+def headers_digest() -> str:
+    """A short hash of the headers' text, passed as a (never read) define so that a change to a
+    header alone rebuilds the kernels."""
+    digest = hashlib.sha256()
+    for header in HEADERS:
+        digest.update((CSRC_DIR / header).read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def is_disabled() -> bool:
@@ -63,7 +75,7 @@ def load_cpu_kernels() -> None:
         cpp_extension.load(
             name=f"kvpool_cpu_kernels_{cpu_fingerprint()}",
             sources=[str(CSRC_DIR / source) for source in SOURCES],
-            extra_cflags=list(COMPILE_FLAGS),
+            extra_cflags=[*COMPILE_FLAGS, f"-DKVPOOL_HEADERS_DIGEST={headers_digest()}"],
             extra_ldflags=list(LINK_FLAGS),
             is_python_module=False,
         )

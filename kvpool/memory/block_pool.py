@@ -49,6 +49,8 @@ class BlockPoolStats:
 
     num_blocks: int
     block_size: int
+    kv_cache_dtype: str  # the storage dtype's name ("int8", "float8_e4m3fn", "bfloat16", ...)
+    bytes_per_block: int  # K/V codes and, for int8 / fp8, their scales
     num_free_blocks: int
     num_used_blocks: int
     num_cached_blocks: int
@@ -316,6 +318,8 @@ class BlockPool:
         return BlockPoolStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            kv_cache_dtype=self.layout.dtype,
+            bytes_per_block=self.layout.bytes_per_block,
             num_free_blocks=self.num_free_blocks,
             num_used_blocks=num_used,
             num_cached_blocks=self.num_cached_blocks,

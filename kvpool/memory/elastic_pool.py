@@ -5,7 +5,9 @@ The KV tensor views the *whole* arena as
 `[capacity_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, but only the blocks of
 *segments* are online in the block pool. A segment is one exact arena allocation of up to
 `segment_blocks` blocks aligned to a block's size, so its ids are one run and
-block id = byte offset / bytes_per_block. The arena's first block is the null block:
+block id = byte offset / kv_bytes_per_block. (A quantized layout's scales live in the KV
+cache's scale tensor, which spans the whole capacity and is indexed by the same ids; the arena
+holds the codes only.) The arena's first block is the null block:
 
     arena bytes   | null | segment: ids 1..128 | segment: ids 129..256 | free ...............|
     KV tensor     [ 0    | 1 ........................................... capacity_blocks - 1 ]
@@ -106,9 +108,9 @@ class ElasticKVPool:
         self.kv_cache = kv_cache
         self.arena = arena
         self.config = config or ElasticPoolConfig()
-        self.bytes_per_block = pool.layout.bytes_per_block
-        null_block = arena.allocate(self.bytes_per_block, alignment=self.bytes_per_block)
-        assert null_block.offset == NULL_BLOCK_ID * self.bytes_per_block, "the arena was not empty"
+        self.kv_bytes_per_block = pool.layout.kv_bytes_per_block  # the arena's unit (no scales)
+        null_block = arena.allocate(self.kv_bytes_per_block, alignment=self.kv_bytes_per_block)
+        assert null_block.offset == NULL_BLOCK_ID * self.kv_bytes_per_block, "arena not empty"
         self._segments: list[Segment] = []
         self._idle_since: float | None = None
         initial = self.config.initial_blocks
@@ -143,18 +145,19 @@ class ElasticKVPool:
         """Blocks that segments carved one after another from `free` would hold (at most
         `limit` when given: the size of the one next segment)."""
         base = self.arena.config.alignment
-        alignment = math.lcm(self.bytes_per_block, base)
+        alignment = math.lcm(self.kv_bytes_per_block, base)
         offset, total = free.offset, 0
         while limit is None or total < limit:
             start = align_up(offset, alignment)
             room = free.end - start
-            num_blocks = min(self.config.segment_blocks, max(room, 0) // self.bytes_per_block)
-            if num_blocks and align_up(num_blocks * self.bytes_per_block, base) > room:
+            num_blocks = min(self.config.segment_blocks,
+                             max(room, 0) // self.kv_bytes_per_block)
+            if num_blocks and align_up(num_blocks * self.kv_bytes_per_block, base) > room:
                 num_blocks -= 1  # the range is rounded up to the arena's base alignment
             if num_blocks == 0:
                 break
             total += num_blocks
-            offset = start + align_up(num_blocks * self.bytes_per_block, base)
+            offset = start + align_up(num_blocks * self.kv_bytes_per_block, base)
         return total if limit is None else min(total, limit)
 
     def _next_segment_blocks(self) -> int:
@@ -173,10 +176,10 @@ class ElasticKVPool:
         return True
 
     def _add_segment(self, num_blocks: int) -> None:
-        nbytes = num_blocks * self.bytes_per_block
-        handle = self.arena.allocate(nbytes, alignment=self.bytes_per_block)
+        nbytes = num_blocks * self.kv_bytes_per_block
+        handle = self.arena.allocate(nbytes, alignment=self.kv_bytes_per_block)
         self.arena.buffer[handle.offset : handle.offset + nbytes].zero_()
-        segment = Segment(handle, handle.offset // self.bytes_per_block, num_blocks)
+        segment = Segment(handle, handle.offset // self.kv_bytes_per_block, num_blocks)
         self.pool.add_blocks(segment.block_ids)
         self._segments.append(segment)
 
@@ -275,7 +278,8 @@ class ElasticKVPool:
     # -------------------------------------------------------------- reporting
     def stats(self) -> KVPoolStats:
         return KVPoolStats("elastic", self.pool.num_blocks, self.max_num_blocks,
-                           len(self._segments), self.bytes_per_block, self._num_grows,
+                           len(self._segments), self.pool.layout.bytes_per_block,
+                           self._num_grows,
                            self._num_shrinks, self._num_migrated_blocks,
                            self._num_evicted_blocks, self.arena.stats())
 
@@ -285,5 +289,5 @@ class ElasticKVPool:
         assert segment_ids == self.pool.online_block_ids(), "online ids != segment ids"
         for segment in self._segments:
             assert segment.handle.is_live
-            assert segment.handle.offset == segment.first_block_id * self.bytes_per_block
+            assert segment.handle.offset == segment.first_block_id * self.kv_bytes_per_block
         self.pool.check_invariants()

@@ -14,9 +14,18 @@ block in one contiguous copy, and a run of block ids is a run of bytes that an a
 out as a segment. A layer's view `kv[:, layer]` is strided across blocks, which gathers and
 kernels index without cost.
 
-Invariants: the tensor never changes shape or storage after construction; block ids index
-dim 0; its shape and dtype are the layout's (asserted once, here); block 0, the null block
-(`kvpool.memory.block_pool.NULL_BLOCK_ID`), is zero and is never written.
+Quantized layouts (int8, fp8: `kvpool.memory.kv_quant`) add a second tensor, the scale pool,
+indexed by the same block ids and allocated with the codes:
+
+    scales[num_blocks, num_layers, 2, block_size, num_kv_heads]   float32
+
+Row (block, layer, K or V, slot, KV head) is the scale of that token's code row. Whatever moves
+a block's codes moves its scales (`copy_blocks`, so copy-on-write and elastic migration).
+
+Invariants: the tensors never change shape or storage after construction; block ids index
+dim 0 of both; shapes and dtypes are the layout's (asserted once, here); block 0, the null block
+(`kvpool.memory.block_pool.NULL_BLOCK_ID`), is zero and is never written; `scales` is None
+exactly when the layout is not quantized.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_quant import quantize
 
 
 class KVCache:
@@ -47,12 +57,17 @@ class KVCache:
         if storage is None:
             self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
         else:
-            needed = num_blocks * layout.bytes_per_block
+            needed = num_blocks * layout.kv_bytes_per_block
             if storage.dtype != torch.uint8 or storage.numel() < needed:
                 raise ValueError(f"storage must be a uint8 buffer of at least {needed} bytes")
             self.tensor = storage[:needed].view(layout.torch_dtype).view(shape)
             self.tensor[NULL_BLOCK_ID].zero_()
+        self.scales: torch.Tensor | None = None
+        if layout.is_quantized:  # ones, not zeros: a never-written row decodes to 0 * 1
+            self.scales = torch.ones(layout.scale_tensor_shape(num_blocks), dtype=torch.float32,
+                                     device=self.tensor.device)
         layout.check_tensor(self.tensor)
+        layout.check_scales(self.scales, num_blocks)
         self.layout = layout
 
     @property
@@ -67,6 +82,10 @@ class KVCache:
         """`[num_blocks, 2, block_size, num_kv_heads, head_dim]` view of one layer."""
         return self.tensor[:, layer_index]
 
+    def layer_scales(self, layer_index: int) -> torch.Tensor | None:
+        """`[num_blocks, 2, block_size, num_kv_heads]` view of one layer's scales, or None."""
+        return None if self.scales is None else self.scales[:, layer_index]
+
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Copy whole blocks (every layer, K and V) src → dst in one vectorised call.
 
@@ -78,6 +97,8 @@ class KVCache:
         src = torch.tensor([copy.src_block_id for copy in copies], dtype=torch.int64, device=device)
         dst = torch.tensor([copy.dst_block_id for copy in copies], dtype=torch.int64, device=device)
         self.tensor[dst] = self.tensor[src]
+        if self.scales is not None:
+            self.scales[dst] = self.scales[src]
 
 
 def write_kv(
@@ -85,10 +106,17 @@ def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_scales_layer: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
 ) -> None:
-    """Scatter the new tokens' K and V into their slots (one indexed write each)."""
+    """Scatter the new tokens' K and V into their slots (one indexed write each); a quantized
+    cache stores each row's codes and its scale (`kvpool.memory.kv_quant.quantize`)."""
     block_size = kv_cache_layer.shape[2]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    kv_cache_layer[block_ids, 0, offsets] = key.to(kv_cache_layer.dtype)
-    kv_cache_layer[block_ids, 1, offsets] = value.to(kv_cache_layer.dtype)
+    for plane, rows in ((0, key), (1, value)):
+        if kv_scales_layer is None:
+            kv_cache_layer[block_ids, plane, offsets] = rows.to(kv_cache_layer.dtype)
+            continue
+        codes, scales = quantize(rows, kv_cache_layer.dtype)
+        kv_cache_layer[block_ids, plane, offsets] = codes
+        kv_scales_layer[block_ids, plane, offsets] = scales

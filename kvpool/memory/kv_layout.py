@@ -7,17 +7,21 @@ count, slot and byte size is a method here, so the formulas exist once:
 
     slot of token position p   =  block_ids[p // block_size] * block_size + p % block_size
     blocks for n tokens        =  ceil(n / block_size)
-    bytes per block            =  num_layers * 2 (K, V) * block_size * num_kv_heads * head_dim
-                                  * element size of dtype
+    bytes per block            =  num_layers * 2 (K, V) * block_size * num_kv_heads
+                                  * (head_dim * element size of dtype
+                                     + scale size, if dtype is quantized)
 
 The KV tensor is block-major (see `kvpool.memory.kv_cache`):
 `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; `tensor_shape` says so and
 `check_tensor` asserts it.
 
-The dtype is kept by name so that the pure-Python memory core (block pool, tables, prefix
-cache) never imports torch; `torch_dtype` converts. Quantized KV (a storage dtype other than
-the model's, with scales beside the blocks) extends this object: bytes per block then include
-the scales, and every capacity figure follows from `bytes_per_block`.
+The dtype is the KV *storage* dtype (`kv_cache_dtype`, `kvpool.memory.kv_quant`), kept by
+name so that the pure-Python memory core (block pool, tables, prefix cache) never imports
+torch; `torch_dtype` converts. A quantized dtype (int8, fp8) has one float32 scale per
+(token, KV head) for K and for V, in a tensor of its own indexed by the same block ids
+(`scale_tensor_shape`: `[num_blocks, num_layers, 2, block_size, num_kv_heads]`). Bytes per block
+include the scales, so every capacity figure that follows from `bytes_per_block` is honest;
+`kv_bytes_per_block` is the K/V codes alone (what the arena holds).
 """
 
 from __future__ import annotations
@@ -31,8 +35,25 @@ if TYPE_CHECKING:
 
     from kvpool.model.config import ModelConfig
 
+# The `kv_cache_dtype` option (vLLM's names) → the KV storage dtype's torch name; "auto" is
+# the model's dtype (`kvpool.memory.kv_quant.resolve_kv_cache_dtype`).
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "int8": "int8",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 # Bytes per element of each KV storage dtype, by torch's name for it.
-KV_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1,
+                  "float8_e5m2": 1}
+# Storage dtypes that carry a float32 scale per (token, KV head), K and V apart → the largest
+# code magnitude (a row's scale maps its amax onto it).
+QUANTIZED_CODE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+SCALE_SIZE = 4  # bytes: scales are float32
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -59,9 +80,13 @@ class KVLayout:
             raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPE_SIZES)}, got {self.dtype}")
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
-        """The layout of a model's KV cache in `dtype` with blocks of `block_size` tokens."""
-        name = str(dtype).removeprefix("torch.")
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> KVLayout:
+        """The layout of a model's KV cache with blocks of `block_size` tokens, stored as
+        `kv_cache_dtype` ("auto": the model's `dtype`)."""
+        from kvpool.memory.kv_quant import resolve_kv_cache_dtype
+
+        name = resolve_kv_cache_dtype(kv_cache_dtype, str(dtype).removeprefix("torch."))
         return cls(block_size, config.num_layers, config.num_kv_heads, config.head_dim, name)
 
     # ------------------------------------------------------------ tokens
@@ -85,16 +110,46 @@ class KVLayout:
         return KV_DTYPE_SIZES[self.dtype]
 
     @property
+    def is_quantized(self) -> bool:
+        """Whether K/V are stored as codes with a scale per (token, KV head)."""
+        return self.dtype in QUANTIZED_CODE_MAX
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """One block: `[num_layers, 2, block_size, num_kv_heads, head_dim]`."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
-    def bytes_per_token(self) -> int:
+    def scale_block_shape(self) -> tuple[int, int, int, int]:
+        """One block's scales: `[num_layers, 2, block_size, num_kv_heads]`."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's K/V codes (every layer), scales excluded."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
+    def scale_bytes_per_token(self) -> int:
+        """Bytes of one token's scales (every layer); 0 unless quantized."""
+        return self.num_layers * 2 * self.num_kv_heads * SCALE_SIZE if self.is_quantized else 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token + self.scale_bytes_per_token
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block's K/V codes: the unit of the arena that holds them."""
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def scale_bytes_per_block(self) -> int:
+        return self.block_size * self.scale_bytes_per_token
+
+    @property
     def bytes_per_block(self) -> int:
+        """Everything one block costs: K/V codes plus, if quantized, their scales."""
         return self.block_size * self.bytes_per_token
 
     def num_blocks_for_memory(self, memory_bytes: int) -> int:
@@ -115,8 +170,25 @@ class KVLayout:
         """`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
         return (num_blocks, *self.block_shape)
 
+    def scale_tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """`[num_blocks, num_layers, 2, block_size, num_kv_heads]` (quantized layouts)."""
+        return (num_blocks, *self.scale_block_shape)
+
     def check_tensor(self, tensor: torch.Tensor) -> None:
         """Assert that `tensor` is a whole KV cache of this layout (any number of blocks)."""
         assert tuple(tensor.shape[1:]) == self.block_shape, (
             f"KV tensor shape {tuple(tensor.shape)} does not match the layout {self}")
         assert tensor.dtype == self.torch_dtype, f"KV tensor dtype {tensor.dtype} != {self.dtype}"
+
+    def check_scales(self, scales: torch.Tensor | None, num_blocks: int) -> None:
+        """Assert that `scales` are this layout's scale tensor for `num_blocks` blocks (None
+        exactly when the layout is not quantized)."""
+        if not self.is_quantized:
+            assert scales is None, f"a {self.dtype} KV cache has no scales"
+            return
+        import torch
+
+        assert scales is not None, f"a {self.dtype} KV cache needs scales"
+        assert tuple(scales.shape) == self.scale_tensor_shape(num_blocks), (
+            f"scale tensor shape {tuple(scales.shape)} does not match the layout {self}")
+        assert scales.dtype == torch.float32, f"scales must be float32, got {scales.dtype}"

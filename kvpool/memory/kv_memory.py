@@ -3,7 +3,8 @@
     KVMemory
       layout      KVLayout: block size, shape, dtype, bytes per block (the one owner)
       arena       one reservation of (num_blocks + 1) blocks, the null block included
-      kv_cache    KVCache over the arena: [num_blocks + 1, num_layers, 2, block_size, ...]
+      kv_cache    KVCache over the arena: [num_blocks + 1, num_layers, 2, block_size, ...],
+                  and for int8 / fp8 its scale pool beside it (same block ids)
       pool        BlockPool (static) or ResizableBlockPool (elastic) of block ids
       sizing      StaticKVPool (never resizes) or ElasticKVPool (segments grow and shrink)
 
@@ -52,7 +53,7 @@ class KVMemory:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
         self.watermark_blocks = int(watermark * num_blocks)
-        bytes_per_block = layout.bytes_per_block
+        bytes_per_block = layout.kv_bytes_per_block  # the arena holds codes; scales beside it
         num_rows = num_blocks + 1  # the null block first
         self.arena = Arena.reserve(align_up(num_rows * bytes_per_block, 256), device)
         if elastic is None:
@@ -107,5 +108,6 @@ class KVMemory:
     def check_invariants(self) -> None:
         """Assert every invariant of the pool, its sizing and its tensors (for tests)."""
         self.layout.check_tensor(self.kv_cache.tensor)
+        self.layout.check_scales(self.kv_cache.scales, self.kv_cache.num_blocks)
         assert not self.kv_cache.tensor[NULL_BLOCK_ID].any(), "the null block was written"
         self.sizing.check_invariants()

@@ -71,7 +71,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rotary: StepRotary, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv(x)  # [num_tokens, qkv_size]
@@ -81,8 +81,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rotary.apply_(q)
         rotary.apply_(k)
+        layer_scales = None if kv_scales is None else kv_scales[:, self.layer_id]
         out = self.backend.forward(
-            q, k, v, kv_cache[:, self.layer_id], metadata, self.scale
+            q, k, v, kv_cache[:, self.layer_id], metadata, self.scale, layer_scales
         )  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -116,6 +117,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: StepRotary,
         kv_cache: torch.Tensor, metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual` is the stream x_l (None before the first layer, where `hidden` is it);
         `hidden` is the previous sublayer's output, not yet added. Returns the MLP's output
@@ -124,7 +126,7 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             self.input_layernorm.add_(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, kv_cache, metadata)
+        hidden = self.self_attn(hidden, rotary, kv_cache, metadata, kv_scales)
         self.post_attention_layernorm.add_(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -171,12 +173,13 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_samples] int64: rows of the batch to sample from
+        kv_scales: torch.Tensor | None = None,  # int8/fp8 KV: [num_blocks, num_layers, 2, ...]
     ) -> torch.Tensor:  # [num_samples, vocab_size] float32
         hidden = F.embedding(token_ids, self.embed_tokens)  # [num_tokens, hidden_size]
         rotary = StepRotary(self.rope_cos, self.rope_sin, positions)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata)
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata, kv_scales)
         # The final norm is per row: select the rows that need logits first.
         hidden, residual = hidden[logits_indices], residual[logits_indices]
         self.norm.add_(hidden, residual)

@@ -16,6 +16,9 @@ latency histograms are observed by the server as each request finishes. Every ap
                kvpool:request_success_total{finished_reason}
     histograms kvpool:time_to_first_token_seconds, kvpool:time_per_output_token_seconds,
                kvpool:e2e_request_latency_seconds
+    info       kvpool:cache_config_info{block_size, cache_dtype, num_gpu_blocks,
+               bytes_per_block} = 1 (vLLM's cache_config_info; cache_dtype is the KV storage
+               dtype, e.g. "int8" or "float8_e4m3fn")
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.outputs import RequestOutput
+from kvpool.memory.block_pool import BlockPoolStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -90,6 +94,15 @@ class EngineCollector(Collector):
         ]
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, name, documentation, value)
+        yield self._cache_config(snapshot.memory)
+
+    def _cache_config(self, memory: BlockPoolStats) -> Metric:
+        labels = {"block_size": memory.block_size, "cache_dtype": memory.kv_cache_dtype,
+                  "num_gpu_blocks": memory.num_blocks, "bytes_per_block": memory.bytes_per_block}
+        family = GaugeMetricFamily("kvpool:cache_config_info", "KV cache configuration.",
+                                   labels=["model_name", *labels])
+        family.add_metric([self.model_name, *map(str, labels.values())], 1)
+        return family
 
     def _family(self, kind: type, name: str, documentation: str, value: float) -> Metric:
         family = kind(f"kvpool:{name}", documentation, labels=["model_name"])

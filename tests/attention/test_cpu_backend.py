@@ -8,9 +8,15 @@ import warnings
 import pytest
 import torch
 
-from kvpool.attention import selector
-from kvpool.attention.cpu_backend import paged_decode
+from kvpool.attention import cpu_backend, selector
+from kvpool.attention.cpu_backend import CpuAttentionBackend, paged_decode
+from kvpool.attention.metadata import AttentionMetadata
+from kvpool.attention.torch_ref import TorchAttentionBackend, gather_context
 from kvpool.kernels import cpu_kernels
+from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_quant import quantize
+
+CODE_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def make_decode_batch(seq_lens, block_size, num_kv_heads, group_size, head_dim, seed=0):
@@ -87,6 +93,113 @@ def test_a_16_bit_cache_is_read_in_place_with_float32_arithmetic(
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
+def make_quantized_batch(seq_lens, block_size, num_kv_heads, group_size, head_dim, code_dtype,
+                         seed=0):
+    """`make_decode_batch` with the cache quantized (`kv_quant.quantize`, the reference) into a
+    two-layer code tensor and scale pool. Rows span a wide range of magnitudes, so the scales
+    differ from row to row, and a quarter of the elements are much smaller than their row's
+    largest, so the float8 codes include subnormals.
+
+    Returns (query, code layer view, scale layer view, block_tables, seq_lens tensor), both
+    views strided across blocks as a KVCache's are.
+    """
+    query, layer, tables, lens, _ = make_decode_batch(
+        seq_lens, block_size, num_kv_heads, group_size, head_dim, seed=seed
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    cache = torch.stack([torch.randn(layer.shape, generator=generator), layer], dim=1)
+    row_size = torch.exp(torch.empty(cache.shape[:-1]).uniform_(-1, 1, generator=generator))
+    element_size = torch.exp(torch.empty(cache.shape).uniform_(-12, 0, generator=generator))
+    element_size[torch.rand(cache.shape, generator=generator) < 0.75] = 1  # a quarter is small
+    codes, scales = quantize(cache * row_size[..., None] * element_size, code_dtype)
+    return query, codes[:, 1], scales[:, 1], tables, lens
+
+
+def reference_decode(query, codes, scales, tables, lens, scale):
+    """The torch reference's dequantizing gather (float32), then dense attention."""
+    keys, values = gather_context(codes, tables, kv_scales=scales, dtype=torch.float32)
+    contexts = [(keys[i, :, :length].transpose(0, 1), values[i, :, :length].transpose(0, 1))
+                for i, length in enumerate(lens.tolist())]
+    return dense_decode(query.float(), contexts, scale)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("head_dim", "group_size", "block_size"),
+    [(64, 1, 16), (128, 3, 8), (64, 4, 1), (80, 3, 16), (40, 2, 8)],  # 80, 40: the generic path
+)
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+def test_a_quantized_cache_is_read_in_place_and_equals_the_dequantizing_reference(
+    code_dtype, head_dim, group_size, block_size, query_dtype
+):
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97, 300]
+    query, codes, scales, tables, lens = make_quantized_batch(
+        seq_lens, block_size, 2, group_size, head_dim, code_dtype
+    )
+    query = query.to(query_dtype)
+    scale = head_dim**-0.5
+    out = paged_decode(query, codes, tables, lens, scale, scales)
+    assert out.dtype == query_dtype
+    # The same codes and scales, dequantized exactly in float32: the kernel differs only by
+    # float32 rounding (the scale multiplies the dot product instead of each element), plus
+    # the final narrowing for a bfloat16 query.
+    expected = reference_decode(query, codes, scales, tables, lens, scale).to(query_dtype)
+    tolerance = 1e-5 if query_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])  # the register path and the generic one
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+def test_every_finite_code_widens_to_its_exact_value(code_dtype, head_dim):
+    # One token per sequence, so softmax weighs its V row 1 and the output is code * scale.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(code_dtype)
+    codes = torch.where(codes.float().isfinite(), codes.float(), 0).to(code_dtype)
+    num_seqs = -(-256 // head_dim)
+    padded = torch.zeros(num_seqs * head_dim, dtype=code_dtype)
+    padded[:256] = codes
+    layer = torch.zeros(num_seqs, 2, 1, 1, head_dim, dtype=code_dtype)
+    layer[:, 1, 0, 0] = padded.view(num_seqs, head_dim)
+    scales = torch.ones(num_seqs, 2, 1, 1)
+    scales[:, 1] = 0.375
+    tables = torch.arange(num_seqs, dtype=torch.int32)[:, None]
+    lens = torch.ones(num_seqs, dtype=torch.int32)
+    query = torch.randn(num_seqs, 1, head_dim)
+    out = paged_decode(query, layer, tables, lens, 1.0, scales)
+    assert torch.equal(out.reshape(-1), padded.float() * 0.375)
+
+
+def test_the_cpu_backend_decodes_a_quantized_cache_with_the_kernel(monkeypatch):
+    calls = []
+
+    def counting_decode(*args):
+        calls.append(args[-1] is not None)
+        return paged_decode(*args)
+
+    monkeypatch.setattr(cpu_backend, "paged_decode", counting_decode)
+    block_size, num_kv_heads, head_dim, group_size = 8, 2, 64, 3
+    seq_lens, query_lens = [9, 30, 1, 12], [1, 1, 1, 5]  # three decodes, then an extend
+    blocks_per_seq = [-(-length // block_size) for length in seq_lens]
+    tables = [list(range(1 + sum(blocks_per_seq[:i]), 1 + sum(blocks_per_seq[: i + 1])))
+              for i in range(len(seq_lens))]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, length, new in zip(tables, seq_lens, query_lens, strict=True)
+             for p in range(length - new, length)]
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, slots, KVLayout(block_size))
+    generator = torch.Generator().manual_seed(7)
+    num_blocks = 1 + sum(blocks_per_seq)
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator)
+    codes, scales = quantize(cache, torch.int8)  # the earlier tokens' K/V
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_kv_heads * group_size, head_dim, generator=generator)
+    key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim, generator=generator)
+    outputs = []
+    for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
+        layer, layer_scales = codes.clone(), scales.clone()
+        outputs.append(backend.forward(query, key, value, layer, metadata, 0.125, layer_scales))
+    assert calls == [True]
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+
+
 def test_paged_decode_is_the_same_on_one_thread_and_many():
     seq_lens = [random.Random(3).randint(1, 400) for _ in range(37)]
     query, layer, tables, lens, _ = make_decode_batch(seq_lens, 16, 3, 3, 64, seed=3)
@@ -115,6 +228,13 @@ def test_paged_decode_rejects_bad_input_with_a_reason():
         paged_decode(query, layer, bad_tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="head shapes disagree"):
         paged_decode(query[:, :3], layer, tables, lens, 1.0)
+    codes, scales = quantize(layer, torch.int8)
+    with pytest.raises(RuntimeError, match="int8 / float8 kv_cache needs its kv_scales"):
+        paged_decode(query, codes, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="kv_scales belong to an int8 / float8 kv_cache"):
+        paged_decode(query, layer, tables, lens, 1.0, scales)
+    with pytest.raises(RuntimeError, match=r"kv_scales must be float32 \[num_blocks"):
+        paged_decode(query, codes, tables, lens, 1.0, scales[:, :, :8])
 
 
 def test_kernels_can_be_turned_off(monkeypatch):

@@ -27,7 +27,8 @@ import kvpool.attention
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend
 from kvpool.memory.kv_cache import write_kv as torch_write_kv
-from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_layout import QUANTIZED_CODE_MAX, KVLayout
+from kvpool.memory.kv_quant import quantize
 
 KERNEL_MODULES = ("triton_decode", "triton_prefill", "triton_kv", "triton_backend")
 IS_INTERPRETED = not torch.cuda.is_available()
@@ -88,6 +89,15 @@ class Batch:
     kv_cache_layer: torch.Tensor  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata
     scale: float
+    kv_scales: torch.Tensor | None = None  # [num_blocks, 2, block_size, num_kv_heads] (quantized)
+
+
+QUANTIZED_KV_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+KV_DTYPE_IDS = {torch.int8: "int8", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def kv_id(kv_dtype: torch.dtype) -> str:
+    return KV_DTYPE_IDS[kv_dtype]
 
 
 def make_batch(
@@ -100,10 +110,12 @@ def make_batch(
     num_shared_blocks: int = 0,
     device: str = DEVICE,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> Batch:
     """seq_shapes: (num_cached_tokens, query_len) per sequence, decodes (query_len 1) first.
 
     Physical blocks are shuffled; unused slots hold random garbage the kernels must mask out.
+    A quantized `kv_dtype` (int8 / fp8) makes the cache hold codes, with their scales.
     The first `num_shared_blocks` logical blocks of every sequence are the same physical blocks
     (a prefix-cache hit), so every cached prefix must cover them.
     """
@@ -114,7 +126,12 @@ def make_batch(
     random.Random(seed).shuffle(free_ids)
     shared_ids = [free_ids.pop() for _ in range(num_shared_blocks)]
     shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
-    kv_cache_layer = torch.randn(shape, generator=generator).to(dtype)
+    kv_cache_layer = torch.randn(shape, generator=generator)
+    if kv_dtype is None:
+        kv_cache_layer, kv_scales = kv_cache_layer.to(dtype), None
+    else:
+        kv_cache_layer, kv_scales = quantize(kv_cache_layer, kv_dtype)
+        kv_scales = kv_scales.to(device)
     tables, slots = [], []
     for (cached, new), num_seq_block in zip(seq_shapes, num_seq_blocks, strict=True):
         assert cached >= num_shared_blocks * block_size
@@ -142,16 +159,31 @@ def make_batch(
         kv_cache_layer.to(device),
         metadata,
         scale=head_dim**-0.5,
+        kv_scales=kv_scales,
     )
+
+
+def reference_with_scales(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Output, updated cache and updated scales from the torch backend (on copies)."""
+    kv_cache_layer = batch.kv_cache_layer.clone()
+    kv_scales = None if batch.kv_scales is None else batch.kv_scales.clone()
+    out = TorchAttentionBackend().forward(
+        batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale, kv_scales
+    )
+    return out, kv_cache_layer, kv_scales
 
 
 def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and updated cache from the torch backend (on a copy of the cache)."""
-    kv_cache_layer = batch.kv_cache_layer.clone()
-    out = TorchAttentionBackend().forward(
-        batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale
-    )
+    out, kv_cache_layer, _ = reference_with_scales(batch)
     return out, kv_cache_layer
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bit for bit (fp8 tensors compared as bytes; torch.equal lacks float8)."""
+    if actual.element_size() == 1:
+        actual, expected = actual.view(torch.uint8), expected.view(torch.uint8)
+    assert torch.equal(actual, expected)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -228,9 +260,15 @@ DECODE_SEQS = [
 ]
 
 
+def write_new_tokens(batch: Batch) -> None:
+    """The new tokens' K/V (codes and scales, if quantized) into the cache, by torch."""
+    slots = batch.metadata.slot_mapping
+    torch_write_kv(batch.kv_cache_layer, batch.key, batch.value, slots, batch.kv_scales)
+
+
 def run_decode(batch: Batch, **kwargs) -> torch.Tensor:
     """The decode kernel over a cache that already holds the new tokens' K/V."""
-    torch_write_kv(batch.kv_cache_layer, batch.key, batch.value, batch.metadata.slot_mapping)
+    write_new_tokens(batch)
     metadata = batch.metadata
     return triton_decode.paged_decode(
         batch.query,
@@ -239,6 +277,7 @@ def run_decode(batch: Batch, **kwargs) -> torch.Tensor:
         metadata.seq_lens,
         batch.scale,
         max_seq_len=metadata.max_seq_len,
+        kv_scales=batch.kv_scales,
         **kwargs,
     )
 
@@ -326,7 +365,7 @@ PREFILL_SEQS = [
 
 
 def run_prefill(batch: Batch, **kwargs) -> torch.Tensor:
-    torch_write_kv(batch.kv_cache_layer, batch.key, batch.value, batch.metadata.slot_mapping)
+    write_new_tokens(batch)
     metadata = batch.metadata
     return triton_prefill.paged_prefill(
         batch.query,
@@ -336,6 +375,7 @@ def run_prefill(batch: Batch, **kwargs) -> torch.Tensor:
         metadata.block_tables,
         batch.scale,
         max_query_len=metadata.max_query_len,
+        kv_scales=batch.kv_scales,
         **kwargs,
     )
 
@@ -421,6 +461,127 @@ def test_backend_with_an_empty_batch():
     assert out.shape == (0, 2, 16)
 
 
+# ---------------------------------------------------------------- quantized KV (int8 / fp8)
+# The write is exact: codes and scales equal torch's bit for bit (IEEE divisions, integer
+# rounding to fp8). Attention dequantizes each tile in registers to the very values the
+# reference's gathered copy holds, so outputs agree to the float tolerances above.
+
+QUANT_DECODE_SHAPES = [(64, 16, 4), (128, 1, 2), (128, 8, 8)]  # (head_dim, block_size, group)
+QUANT_PREFILL_SHAPES = [(64, 8, 4), (128, 1, 2), (128, 16, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=kv_id)
+def test_quantized_write_kv_equals_torch(kv_dtype, dtype):
+    batch = make_batch(
+        [(3, 1), (0, 11), (16, 5)], 16, num_kv_heads=3, head_dim=64, dtype=dtype, kv_dtype=kv_dtype
+    )
+    batch.value[2, 1] = 0  # an all-zero row: scale 1, codes 0
+    expected, expected_scales = batch.kv_cache_layer.clone(), batch.kv_scales.clone()
+    slots = batch.metadata.slot_mapping
+    torch_write_kv(expected, batch.key, batch.value, slots, expected_scales)
+    triton_kv.write_kv(batch.kv_cache_layer, batch.key, batch.value, slots, batch.kv_scales)
+    assert_bits_equal(batch.kv_cache_layer, expected)
+    assert torch.equal(batch.kv_scales, expected_scales)
+
+
+def rounding_cases(kv_dtype: torch.dtype) -> torch.Tensor:
+    """Values for codes of scale 1: every finite code, every tie between neighbouring codes
+    (subnormal ones included), values just either side of each tie, signed zeros, tiny ones."""
+    largest = QUANTIZED_CODE_MAX[str(kv_dtype).removeprefix("torch.")]
+    if kv_dtype == torch.int8:
+        return torch.arange(-4 * 127, 4 * 127 + 1) / 4  # quarter steps: ties at .5
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype).float()
+    codes = codes[torch.isfinite(codes)].unique()
+    ties = (codes[1:] + codes[:-1]) / 2
+    near = torch.cat([ties * (1 + 2**-20), ties * (1 - 2**-20)])
+    values = torch.cat([codes, ties, near, torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    return values[values.abs() <= largest]
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=kv_id)
+def test_quantized_write_rounds_like_torch(kv_dtype):
+    # Each row leads with ±qmax, so its scale is exactly 1 and its codes are the values rounded.
+    largest = QUANTIZED_CODE_MAX[str(kv_dtype).removeprefix("torch.")]
+    values = rounding_cases(kv_dtype)
+    num_rows = -(-values.numel() // 63)
+    values = torch.cat([values, torch.zeros(num_rows * 63 - values.numel())]).view(num_rows, 1, 63)
+    rows = torch.cat([torch.full((num_rows, 1, 1), largest), values], dim=2).to(DEVICE)
+    block_size = 16
+    num_blocks = -(-num_rows // block_size)
+    cache = torch.zeros(num_blocks, 2, block_size, 1, 64, device=DEVICE).to(kv_dtype)
+    scales = torch.zeros(num_blocks, 2, block_size, 1, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size)[:num_rows].to(DEVICE)
+    expected, expected_scales = cache.clone(), scales.clone()
+    torch_write_kv(expected, rows, -rows, slots, expected_scales)
+    triton_kv.write_kv(cache, rows, -rows, slots, scales)
+    assert_bits_equal(cache, expected)
+    assert torch.equal(scales, expected_scales)
+    assert bool((expected_scales[slots // block_size, :, slots % block_size] == 1).all())
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "group_size"), QUANT_DECODE_SHAPES)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=kv_id)
+def test_quantized_decode_equals_reference(kv_dtype, head_dim, block_size, group_size):
+    batch = make_batch(
+        DECODE_SEQS, block_size, group_size=group_size, head_dim=head_dim, kv_dtype=kv_dtype
+    )
+    expected, _ = reference(batch)
+    assert_close(run_decode(batch), expected, torch.float32)
+    # Three splits: the one-token context leaves two of them empty.
+    config = triton_decode.DecodeConfig(block_n=16)
+    assert_close(run_decode(batch, num_splits=3, config=config), expected, torch.float32)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "group_size"), QUANT_PREFILL_SHAPES)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=kv_id)
+def test_quantized_prefill_equals_reference(kv_dtype, head_dim, block_size, group_size):
+    # PREFILL_SEQS: prompts from scratch and extends of cached prefixes, ragged.
+    batch = make_batch(
+        PREFILL_SEQS, block_size, group_size=group_size, head_dim=head_dim, kv_dtype=kv_dtype
+    )
+    expected, _ = reference(batch)
+    assert_close(run_prefill(batch), expected, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=kv_id)
+def test_quantized_backend_over_a_layer_of_the_whole_cache(kv_dtype):
+    # Decodes, prompts and extends in one step, through layer 1 of a 3-layer cache and of its
+    # scale pool (both strided across blocks); the other layers stay untouched.
+    seq_shapes = [(0, 1), (12, 1), (40, 1), (0, 10), (9, 6), (16, 17)]
+    batch = make_batch(seq_shapes, 8, group_size=4, head_dim=64, kv_dtype=kv_dtype, seed=2)
+    layer = batch.kv_cache_layer
+    whole = torch.randn(layer.shape[0], 3, *layer.shape[1:], device=DEVICE).to(kv_dtype)
+    whole_scales = torch.rand(layer.shape[0], 3, *layer.shape[1:4], device=DEVICE)
+    whole[:, 1], whole_scales[:, 1] = layer, batch.kv_scales
+    expected_whole, expected_whole_scales = whole.clone(), whole_scales.clone()
+    expected, expected_whole[:, 1], expected_whole_scales[:, 1] = reference_with_scales(batch)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, whole[:, 1], batch.metadata, batch.scale,
+        whole_scales[:, 1],
+    )  # fmt: skip
+    assert_close(actual, expected, torch.float32)
+    assert_bits_equal(whole, expected_whole)
+    assert torch.equal(whole_scales, expected_whole_scales)
+
+
+def test_quantized_cache_needs_its_scales():
+    batch = make_batch([(5, 1)], 8, kv_dtype=torch.int8)
+    metadata, slots = batch.metadata, batch.metadata.slot_mapping
+    with pytest.raises(AssertionError, match="needs kv_scales"):
+        triton_kv.write_kv(batch.kv_cache_layer, batch.key, batch.value, slots)
+    with pytest.raises(AssertionError, match="needs kv_scales"):
+        triton_decode.paged_decode(
+            batch.query, batch.kv_cache_layer, metadata.block_tables, metadata.seq_lens, 1.0, 6
+        )
+    float_cache = batch.kv_cache_layer.float()
+    with pytest.raises(AssertionError, match="has no scales"):
+        triton_prefill.paged_prefill(
+            batch.query, float_cache, metadata.query_start_loc, metadata.seq_lens,
+            metadata.block_tables, 1.0, 1, kv_scales=batch.kv_scales,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------- compiled for a real GPU
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -433,14 +594,20 @@ print(json.dumps([dataclasses.asdict(build) for build in builds]))
 
 
 @pytest.mark.parametrize(
-    ("dtype", "head_dim", "group_size", "block_size"),
-    [("bfloat16", 128, 4, 16), ("float16", 64, 8, 32)],
+    ("dtype", "head_dim", "group_size", "block_size", "kv_dtypes"),
+    [
+        ("bfloat16", 128, 4, 16, ["int8", "float8_e4m3fn", "float8_e5m2"]),
+        ("float16", 64, 8, 32, ["int8", "float8_e4m3fn"]),
+    ],
 )
-def test_kernels_compile_for_sm90_without_spills(dtype, head_dim, group_size, block_size):
+def test_kernels_compile_for_sm90_without_spills(
+    dtype, head_dim, group_size, block_size, kv_dtypes
+):
     # A fresh process: this one imported triton in interpreter mode. It runs from the
-    # repository root, so `tests.attention.triton_compile` imports.
+    # repository root, so `tests.attention.triton_compile` imports. Quantized KV adds variants
+    # of the kernels that touch codes (decode, its split form, prefill, the write).
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    args = json.dumps([dtype, head_dim, group_size, block_size, 90])
+    args = json.dumps([dtype, head_dim, group_size, block_size, 90, kv_dtypes])
     result = subprocess.run(
         [sys.executable, "-c", COMPILE_SCRIPT, args],
         capture_output=True,
@@ -451,13 +618,15 @@ def test_kernels_compile_for_sm90_without_spills(dtype, head_dim, group_size, bl
     )
     assert result.returncode == 0, result.stderr[-3000:]
     builds = {build["name"]: build for build in json.loads(result.stdout.splitlines()[-1])}
-    assert set(builds) == {"decode", "decode_split", "decode_reduce", "prefill", "write_kv"} | {
-        "copy_blocks"
-    }
+    suffixes = [""] + ["_" + KV_DTYPE_IDS[getattr(torch, name)] for name in kv_dtypes]
+    reading = [f"{kernel}{suffix}" for suffix in suffixes for kernel in ("decode", "decode_split")]
+    reading += [f"prefill{suffix}" for suffix in suffixes]
+    writing = [f"write_kv{suffix}" for suffix in suffixes]
+    assert set(builds) == {*reading, *writing, "decode_reduce", "copy_blocks"}
     for build in builds.values():
         assert build["local_bytes"] == 0, build  # no register spills
         assert build["shared_bytes"] <= 227 * 1024, build  # sm_90's limit per program
-    for name in ("decode", "decode_split", "prefill"):
+    for name in reading:
         assert builds[name]["has_async_copies"], builds[name]  # K/V gathers are 16-byte copies
 
 
@@ -520,6 +689,25 @@ def test_gpu_backend_mixed_batch(dtype, group_size):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=kv_id)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 32)])
+def test_gpu_quantized_backend_realistic(dtype, kv_dtype, head_dim, block_size):
+    # Long decodes (split), prompts and long extends over int8 / fp8 codes; the write's codes
+    # and scales equal torch's bit for bit.
+    seq_shapes = [(4000, 1), (100, 1), (0, 1), (0, 700), (1000, 300), (37, 129)]
+    batch = make_batch(seq_shapes, block_size, 8, 4, head_dim, dtype, seed=7, kv_dtype=kv_dtype)
+    expected, expected_cache, expected_scales = reference_with_scales(batch)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale,
+        batch.kv_scales,
+    )  # fmt: skip
+    assert_close(actual, expected, dtype)
+    assert_bits_equal(batch.kv_cache_layer, expected_cache)
+    assert torch.equal(batch.kv_scales, expected_scales)
+
+
+@gpu
 def test_gpu_copy_blocks_of_a_large_cache():
     cache = torch.randn(64, 32, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
     expected = cache.clone()
@@ -528,7 +716,9 @@ def test_gpu_copy_blocks_of_a_large_cache():
     assert torch.equal(cache, expected)
 
 
-def greedy_tokens(backend: str, preset: str, dtype: str) -> list[list[int]]:
+def greedy_tokens(
+    backend: str, preset: str, dtype: str, kv_cache_dtype: str = "auto"
+) -> list[list[int]]:
     """Greedy continuations of prompts that share a prefix (prefix caching); a small token
     budget per step mixes chunked prefills with decodes."""
     from kvpool import LLM, SamplingParams
@@ -548,6 +738,7 @@ def greedy_tokens(backend: str, preset: str, dtype: str) -> list[list[int]]:
         attention_backend=backend,
         kv_cache_memory=1 << 28,
         max_num_batched_tokens=64,
+        kv_cache_dtype=kv_cache_dtype,
     )
     assert llm.engine.runner.model.attention_backend.name == backend
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -560,6 +751,12 @@ def test_greedy_generation_equals_torch_backend():
     expected = greedy_tokens("torch", "tiny", "float32")
     assert greedy_tokens("triton", "tiny", "float32") == expected
     assert all(len(ids) == 12 for ids in expected)
+
+
+def test_greedy_generation_over_int8_kv_equals_torch_backend():
+    # The scales reach every layer's three launches; the kernel tests above cover fp8 too.
+    expected = greedy_tokens("torch", "tiny", "float32", kv_cache_dtype="int8")
+    assert greedy_tokens("triton", "tiny", "float32", kv_cache_dtype="int8") == expected
 
 
 @gpu

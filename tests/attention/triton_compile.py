@@ -27,6 +27,12 @@ from triton.compiler import ASTSource
 from kvpool.attention import triton_decode, triton_kv, triton_prefill
 
 _TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# Quantized KV storage dtypes (torch name) → (Triton pointer element, KV_QUANT, build suffix).
+_KV_QUANT = {
+    "int8": ("i8", triton_kv.KV_QUANT_INT8, "int8"),
+    "float8_e4m3fn": ("fp8e4nv", triton_kv.KV_QUANT_E4M3, "e4m3"),
+    "float8_e5m2": ("fp8e5", triton_kv.KV_QUANT_E5M2, "e5m2"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +66,8 @@ def _divisibility(kernel: Any, signature: dict[str, str]) -> dict:
     """What a real launch tells the compiler: pointers are 16-byte aligned and strides that are
     multiples of head_dim divide by 16 (Triton specialises such arguments at launch; without
     it, loads through the block table are not vectorised)."""
-    unknown = ("stride_bt_seq", "stride_lse_seq", "stride_lse_head")
+    # stride_s_slot is num_kv_heads, which need not divide by 16.
+    unknown = ("stride_bt_seq", "stride_lse_seq", "stride_lse_head", "stride_s_slot")
     divisible = [
         index
         for index, name in enumerate(kernel.arg_names)
@@ -116,15 +123,32 @@ def compile_all(
     group_size: int = 4,
     block_size: int = 16,
     arch: int = 90,
+    kv_dtypes: tuple[str, ...] = (),
 ) -> list[KernelBuild]:
-    """Every kernel at its default configuration, for one model shape and dtype."""
+    """Every kernel at its default configuration, for one model shape and dtype; then, for each
+    quantized KV storage dtype in `kv_dtypes` (torch names: int8, float8_e4m3fn, float8_e5m2),
+    the kernels that read or write it (builds named `decode_int8`, `write_kv_e4m3`, ...)."""
+    builds = _compile_variants(dtype, head_dim, group_size, block_size, arch, None)
+    for kv_dtype in kv_dtypes:
+        builds += _compile_variants(dtype, head_dim, group_size, block_size, arch, kv_dtype)
+    return builds
+
+
+def _compile_variants(
+    dtype: str, head_dim: int, group_size: int, block_size: int, arch: int, kv_dtype: str | None
+) -> list[KernelBuild]:
     element = _TORCH_TO_TRITON[dtype]
+    kv_element, kv_quant, suffix = (element, triton_kv.KV_QUANT_NONE, "")
+    if kv_dtype is not None:
+        kv_element, kv_quant, suffix = _KV_QUANT[kv_dtype]
+        suffix = f"_{suffix}"
     block_d = triton.next_power_of_2(head_dim)
     decode, prefill = triton_decode.DecodeConfig(), triton_prefill.PrefillConfig()
-    io = {"query_ptr": f"*{element}", "kv_ptr": f"*{element}"}
+    io = {"query_ptr": f"*{element}", "kv_ptr": f"*{kv_element}", "scales_ptr": "*fp32"}
     tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
     shape = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": block_size}
     attention = {**shape, "DOT_PRECISION": "ieee" if dtype == "float32" else "tf32"}
+    attention["KV_QUANT"] = kv_quant
     decode_consts = {
         **attention,
         "GROUP": group_size,
@@ -134,29 +158,21 @@ def compile_all(
     launch = {"num_warps": decode.num_warps, "num_stages": decode.num_stages, "arch": arch}
     builds = [
         compile_kernel(
-            "decode",
+            f"decode{suffix}",
             triton_decode._decode_kernel,
             {**io, **tables, "out_ptr": f"*{element}", "lse_ptr": "*fp32"},
             {**decode_consts, "IS_SPLIT": False},
             **launch,
         ),
         compile_kernel(
-            "decode_split",
+            f"decode_split{suffix}",
             triton_decode._decode_kernel,
             {**io, **tables, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
             {**decode_consts, "IS_SPLIT": True},
             **launch,
         ),
         compile_kernel(
-            "decode_reduce",
-            triton_decode._reduce_kernel,
-            {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32"}
-            | {"out_ptr": f"*{element}"},
-            {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_S": 32, "BLOCK_N": decode.block_n},
-            arch=arch,
-        ),
-        compile_kernel(
-            "prefill",
+            f"prefill{suffix}",
             triton_prefill._prefill_kernel,
             {**io, **tables, "query_start_loc_ptr": "*i32", "out_ptr": f"*{element}"},
             {**attention, "GROUP": group_size}
@@ -166,19 +182,32 @@ def compile_all(
             arch=arch,
         ),
         compile_kernel(
-            "write_kv",
+            f"write_kv{suffix}",
             triton_kv._write_kv_kernel,
-            {"key_ptr": f"*{element}", "value_ptr": f"*{element}", "kv_ptr": f"*{element}"}
-            | {"slot_mapping_ptr": "*i64"},
-            {**shape, "NUM_KV_HEADS": 8, "BLOCK_HEADS": 8},
-            arch=arch,
-        ),
-        compile_kernel(
-            "copy_blocks",
-            triton_kv._copy_blocks_kernel,
-            {"kv_ptr": f"*{element}", "src_ids_ptr": "*i64", "dst_ids_ptr": "*i64"},
-            {"CHUNK": triton_kv.COPY_CHUNK},
+            {"key_ptr": f"*{element}", "value_ptr": f"*{element}", "kv_ptr": f"*{kv_element}"}
+            | {"scales_ptr": "*fp32", "slot_mapping_ptr": "*i64"},
+            {**shape, "NUM_KV_HEADS": 8, "BLOCK_HEADS": 8, "KV_QUANT": kv_quant}
+            | {"QMAX": triton_kv.KV_QUANT_MAX[kv_quant]},
             arch=arch,
         ),
     ]
+    if kv_dtype is None:  # the reduction and the block copy never see codes
+        builds += [
+            compile_kernel(
+                "decode_reduce",
+                triton_decode._reduce_kernel,
+                {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32"}
+                | {"out_ptr": f"*{element}"},
+                {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_S": 32}
+                | {"BLOCK_N": decode.block_n},
+                arch=arch,
+            ),
+            compile_kernel(
+                "copy_blocks",
+                triton_kv._copy_blocks_kernel,
+                {"kv_ptr": f"*{element}", "src_ids_ptr": "*i64", "dst_ids_ptr": "*i64"},
+                {"CHUNK": triton_kv.COPY_CHUNK},
+                arch=arch,
+            ),
+        ]
     return builds

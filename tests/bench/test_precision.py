@@ -58,14 +58,15 @@ def test_first_divergence() -> None:
 
 def test_compare_summarises_divergence_and_perplexity() -> None:
     gaps = [[0.5, 0.4, 0.03, 0.2], [1.0] * 4, [0.01, 2.0, 2.0, 2.0]]
-    reference = DtypeRun("float32", [[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1]], gaps,
+    reference = DtypeRun("float32", "float32", [[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1]], gaps,
                          [-1.0, -2.0, -3.0], [0, 1, 2])
-    candidate = DtypeRun("bfloat16", [[1, 2, 9, 9], [5, 6, 7, 8], [2, 1, 1, 1]], gaps,
+    candidate = DtypeRun("bfloat16", "bfloat16", [[1, 2, 9, 9], [5, 6, 7, 8], [2, 1, 1, 1]], gaps,
                          [-1.0, -2.0, -3.3], [0, 1, 5])
     result = compare(reference, candidate, ("a", "b", "c"), max_tokens=4)
     assert [entry["first_divergence"] for entry in result["prompts"]] == [2, None, 0]
     assert [entry["reference_top2_gap"] for entry in result["prompts"]] == [0.03, None, 0.01]
     assert result["median_first_divergence"] == 2  # of 2, 4 (identical), 0
+    assert result["mean_first_divergence"] == 2
     assert result["median_reference_top2_gap_at_divergence"] == pytest.approx(0.02)
     assert result["fraction_identical"] == pytest.approx(1 / 3)
     ppl = result["perplexity"]

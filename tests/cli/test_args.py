@@ -37,6 +37,18 @@ def test_engine_flags_have_vllm_names_and_the_model_can_be_positional():
     assert (config.enable_prefix_caching, config.block_size) == (False, 32)
 
 
+def test_kv_cache_dtype_flag_takes_vllms_names_and_refuses_others(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for name in ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert engine_config_from_args(
+            parser.parse_args(["--kv-cache-dtype", name])).kv_cache_dtype == name
+    assert engine_config_from_args(parser.parse_args([])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_sampling_flags_reach_the_params():
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)

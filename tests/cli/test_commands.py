@@ -16,6 +16,12 @@ def test_generate_prints_each_completion(capsys):
     assert "12 tokens generated" in out
 
 
+def test_generate_with_quantized_kv(capsys):
+    argv = ["generate", "The capital of France is", "--max-tokens", "6", "--ignore-eos"]
+    assert main([*argv, "--kv-cache-memory", "64MiB", "--kv-cache-dtype", "fp8"]) == 0
+    assert "(6 tokens, finish: length)" in capsys.readouterr().out
+
+
 def test_chat_streams_replies_and_keeps_the_conversation():
     args = build_parser().parse_args(
         ["chat", "--max-tokens", "8", "--kv-cache-memory", "64MiB", "--ignore-eos"]

@@ -77,6 +77,67 @@ def test_write_kv_fills_exactly_the_mapped_slots(dtype):
     assert torch.equal(layer, expected)
 
 
+def _quantized_layer(code_dtype):
+    """A zeroed layer view and its scale view (ones), strided across blocks as a KVCache's."""
+    codes = torch.zeros(6, 2, 2, 16, 3, 80, dtype=code_dtype)  # [blocks, layers, K/V, S, Hkv, D]
+    return codes[:, 1], torch.ones(6, 2, 2, 16, 3)[:, 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_write_kv_quantized_stores_the_reference_codes_and_scales(code_dtype, dtype):
+    num_tokens, head_dim = 40, 80
+    # key and value are strided views into a fused qkv row, as the model passes them; rows of
+    # very different magnitudes, one of them all zero (scale 1), one of int8 ties (scale 1:
+    # its amax is 127, so row / scale is k + 0.5, which rounds to even).
+    qkv = _random(num_tokens, 9, head_dim, dtype=torch.float32)
+    qkv *= torch.logspace(-3, 3, num_tokens)[:, None, None]
+    qkv[3, 6] = 0
+    qkv[5, 6] = torch.arange(head_dim) - head_dim / 2 + 0.5
+    qkv[5, 6, 0] = 127
+    qkv = qkv.to(dtype)
+    key, value = qkv[:, 6:], qkv[:, 3:6]
+    slots = torch.randperm(6 * 16, generator=torch.Generator().manual_seed(2))[:num_tokens]
+    layer, scales = _quantized_layer(code_dtype)
+    expected, expected_scales = _quantized_layer(code_dtype)
+    write_kv_reference(expected, key, value, slots, expected_scales)
+    torch.ops.kvpool_cpu.write_kv_quantized_(layer, scales, key, value, slots)
+    assert torch.equal(layer.view(torch.uint8), expected.view(torch.uint8))  # every code
+    assert torch.equal(scales, expected_scales)  # bit for bit, unwritten slots still 1
+
+
+def test_write_kv_with_scales_uses_the_kernel_where_served(monkeypatch):
+    key, value = _random(4, 3, 80, dtype=torch.bfloat16), _random(4, 3, 80, dtype=torch.bfloat16)
+    slots = torch.tensor([16, 17, 95, 40])
+    layer, scales = _quantized_layer(torch.int8)
+    expected, expected_scales = _quantized_layer(torch.int8)
+    write_kv_reference(expected, key, value, slots, expected_scales)
+
+    def no_reference(*args):
+        raise AssertionError("the reference ran where the kernel serves")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fused, "write_kv_reference", no_reference)
+        fused.write_kv_(layer, key, value, slots, scales)
+    assert torch.equal(layer, expected) and torch.equal(scales, expected_scales)
+    layer, scales = _quantized_layer(torch.int8)  # float64 rows: not served, the reference
+    fused.write_kv_(layer, key.double(), value.double(), slots, scales)
+    assert torch.equal(layer, expected) and torch.equal(scales, expected_scales)
+
+
+def test_write_kv_quantized_rejects_bad_input_with_a_reason():
+    key = value = _random(2, 3, 80, dtype=torch.float32)
+    slots = torch.tensor([0, 1])
+    layer, scales = _quantized_layer(torch.int8)
+    with pytest.raises(RuntimeError, match="int8 and float8"):
+        torch.ops.kvpool_cpu.write_kv_quantized_(layer.float(), scales, key, value, slots)
+    with pytest.raises(RuntimeError, match="kv_scales must be float32"):
+        torch.ops.kvpool_cpu.write_kv_quantized_(layer, scales[:, :, :8], key, value, slots)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.kvpool_cpu.write_kv_quantized_(layer, scales, key, value,
+                                                 torch.tensor([0, 96]))
+
+
 def test_ops_on_tensors_the_kernels_do_not_serve_use_the_reference():
     x = torch.randn(2, 8, dtype=torch.float64)
     weight = torch.ones(8, dtype=torch.float64)

@@ -29,14 +29,18 @@ BYTES_PER_BLOCK = LAYOUT.bytes_per_block  # 256
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=12)
 
 
-def make_elastic(num_blocks: int = 16, **options) -> ElasticKVPool:
+# int8 codes with a float32 scale per (token, KV head) in the scale pool beside the arena.
+QUANTIZED_LAYOUT = KVLayout(BLOCK_SIZE, num_layers=2, num_kv_heads=1, head_dim=8, dtype="int8")
+
+
+def make_elastic(num_blocks: int = 16, layout: KVLayout = LAYOUT, **options) -> ElasticKVPool:
     """An elastic pool that can bring `num_blocks` blocks online (the arena also holds the
     null block)."""
     options = {"segment_blocks": 4, "initial_blocks": 4, "idle_seconds": 0.0} | options
-    arena = Arena.reserve((num_blocks + 1) * BYTES_PER_BLOCK)
-    arena.buffer.view(torch.float32).fill_(float("nan"))  # what stale memory may hold
-    kv_cache = KVCache(LAYOUT, num_blocks + 1, storage=arena.buffer)
-    pool = ResizableBlockPool(num_blocks + 1, LAYOUT)
+    arena = Arena.reserve((num_blocks + 1) * layout.kv_bytes_per_block)
+    arena.buffer.fill_(0xFF)  # what stale memory may hold (NaN as float32)
+    kv_cache = KVCache(layout, num_blocks + 1, storage=arena.buffer)
+    pool = ResizableBlockPool(num_blocks + 1, layout)
     return ElasticKVPool(pool, kv_cache, arena, ElasticPoolConfig(**options))
 
 
@@ -262,11 +266,13 @@ class ElasticPoolMachine(RuleBasedStateMachine):
     table must always read back the values of its own tokens."""
 
     sequences = Bundle("sequences")
+    layout = LAYOUT
 
     def __init__(self) -> None:
         super().__init__()
         self.elastic = make_elastic(
-            num_blocks=16, segment_blocks=4, initial_blocks=0, low_watermark_blocks=1
+            num_blocks=16, layout=self.layout, segment_blocks=4, initial_blocks=0,
+            low_watermark_blocks=1,
         )
         self.tables: dict[int, BlockTable] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -284,10 +290,16 @@ class ElasticPoolMachine(RuleBasedStateMachine):
                     return False
         self.elastic.kv_cache.copy_blocks(copies)  # copy-on-write, before any new write
         self.tokens[seq] += new_tokens
+        kv_cache = self.elastic.kv_cache
         for position in range(start, table.num_tokens):
             slot = LAYOUT.slot(table.block_ids, position)
-            block = self.elastic.kv_cache.tensor[slot // BLOCK_SIZE]
-            block[:, :, slot % BLOCK_SIZE] = token_value(self.tokens[seq], position)
+            value = token_value(self.tokens[seq], position)
+            block_id, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            if kv_cache.scales is None:
+                kv_cache.tensor[block_id][:, :, offset] = value
+            else:  # a code and a scale, both a function of the prefix: both must move
+                kv_cache.tensor[block_id][:, :, offset] = int(value) % 127
+                kv_cache.scales[block_id][:, :, offset] = value
         return True
 
     @rule(target=sequences, tokens=TOKENS)
@@ -353,16 +365,28 @@ class ElasticPoolMachine(RuleBasedStateMachine):
     @invariant()
     def every_table_reads_its_own_values(self):
         self.elastic.check_invariants()
-        tensor = self.elastic.kv_cache.tensor
+        kv_cache = self.elastic.kv_cache
         for seq, table in self.tables.items():
             assert table.token_ids == self.tokens[seq]
             for position in range(table.num_tokens):
                 slot = LAYOUT.slot(table.block_ids, position)
-                value = tensor[slot // BLOCK_SIZE, 0, 1, slot % BLOCK_SIZE, 0, 0].item()
-                assert value == token_value(self.tokens[seq], position)
+                block_id, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                value = token_value(self.tokens[seq], position)
+                code = kv_cache.tensor[block_id, 0, 1, offset, 0, 0].item()
+                if kv_cache.scales is None:
+                    assert code == value
+                else:
+                    assert code == int(value) % 127
+                    assert kv_cache.scales[block_id, 0, 1, offset, 0].item() == value
 
 
-ElasticPoolMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None
-)
+class QuantizedElasticPoolMachine(ElasticPoolMachine):
+    """The same, over int8 codes: every copy-on-write and migration moves the scales too."""
+
+    layout = QUANTIZED_LAYOUT
+
+
+for machine in (ElasticPoolMachine, QuantizedElasticPoolMachine):
+    machine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestElasticPoolMachine = ElasticPoolMachine.TestCase
+TestQuantizedElasticPoolMachine = QuantizedElasticPoolMachine.TestCase

@@ -73,3 +73,19 @@ def test_a_stream_is_timed_over_all_its_tokens(make_server) -> None:
     samples = scrape(server)
     assert samples["kvpool:time_per_output_token_seconds_count"] == 1
     assert samples["kvpool:e2e_request_latency_seconds_count"] == 1
+
+
+def test_a_quantized_pool_reports_its_kv_dtype(make_server) -> None:
+    """int8 KV through the server: completions run, and /v1/kv/stats and the
+    cache_config_info metric name the storage dtype and its bytes per block (scales in)."""
+    server = make_server(kv_cache_dtype="int8")
+    completion = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 4
+    stats = server.wait_until_idle()
+    layout = server.engine.engine.kv_memory.layout
+    assert stats["kv_cache_dtype"] == "int8" and stats["bytes_per_block"] == layout.bytes_per_block
+    assert stats["kv_pool"]["bytes_per_block"] == layout.bytes_per_block
+    info = ("kvpool:cache_config_info{block_size=16}{bytes_per_block="
+            f"{layout.bytes_per_block}}}{{cache_dtype=int8}}{{num_gpu_blocks=128}}")
+    assert scrape(server)[info] == 1

@@ -8,6 +8,7 @@
 // formulation it replaces rounds (`kvpool.kernels.fused` holds that formulation: it is the
 // reference these ops are tested against, and the fallback on other devices), so a bfloat16
 // model produces the same values either way and float32 differs only in summation order.
+// The KV quantizer is exact: its codes and scales equal the reference's bit for bit.
 //
 //   rms_norm(x [T, H], weight [H], eps) -> [T, H]
 //       w * round(x * rsqrt(mean(x^2) + eps))
@@ -19,6 +20,10 @@
 //       "rotate half": x = round(round(x * c) + round(rotate_half(x) * s)), c/s rounded first
 //   write_kv_(kv_layer [B, 2, S, Hkv, D], key [T, Hkv, D], value [T, Hkv, D], slots [T] int64)
 //       kv_layer[slot / S, 0 or 1, slot % S] = key, value   (converted to the cache dtype)
+//   write_kv_quantized_(kv_layer [B, 2, S, Hkv, D], kv_scales [B, 2, S, Hkv], key, value, slots)
+//       the same slots, quantized (`kvpool.memory.kv_quant.quantize`): per K or V row of a KV
+//       head, scale = amax(|row|) / qmax (1 for an all-zero row), code = round(row / scale)
+//       clamped to ±qmax; codes int8 or float8 (e4m3fn, e5m2), scales float32
 //
 // Rows may be strided (q, k and v are views into the fused qkv output); the last dimension must
 // be contiguous. Work is split over tokens with at::parallel_for, on torch's own OpenMP pool; a
@@ -29,6 +34,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -36,6 +43,10 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -191,6 +202,89 @@ void write_kv_typed(at::Tensor& kv_layer, const at::Tensor& key, const at::Tenso
   });
 }
 
+// A quantized code type C: its largest code (`QUANTIZED_CODE_MAX` in kvpool.memory.kv_layout),
+// and the code of an element already divided by its row's scale, rounded as the reference
+// rounds: int8 to nearest even (nearbyint in the default rounding mode), then clamped; float8
+// clamped, then converted by c10's constructor (nearest even), which is what torch's
+// `.to(float8)` runs.
+template <typename C>
+struct Code;
+template <>
+struct Code<int8_t> {
+  static constexpr float kMax = 127.0f;
+  static int8_t encode(float x) {
+    return static_cast<int8_t>(std::clamp(std::nearbyint(x), -kMax, kMax));
+  }
+};
+template <>
+struct Code<c10::Float8_e4m3fn> {
+  static constexpr float kMax = 448.0f;
+  static c10::Float8_e4m3fn encode(float x) {
+    return c10::Float8_e4m3fn(std::clamp(x, -kMax, kMax));
+  }
+};
+template <>
+struct Code<c10::Float8_e5m2> {
+  static constexpr float kMax = 57344.0f;
+  static c10::Float8_e5m2 encode(float x) { return c10::Float8_e5m2(std::clamp(x, -kMax, kMax)); }
+};
+
+// a / b rounded once, as the reference divides. Under -ffast-math the compiler may turn a plain
+// `x / scale` into `x * (1 / scale)` (and `amax / 127` into `amax * (1 / 127)`), which rounds
+// differently; the division instruction's intrinsic is opaque to that rewrite (AVX-512's
+// explicitly rounded form, or SSE's). Other targets get the plain division.
+inline float exact_divide(float a, float b) {
+#if defined(__AVX512F__)
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest));
+#elif defined(__SSE__)
+  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));
+#else
+  return a / b;
+#endif
+}
+
+// Quantizes one row into `codes` and returns its scale, as `kv_quant.quantize` does.
+template <typename C, typename T>
+inline float quantize_row(const T* row, C* codes, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(row[i])));
+  const float scale = amax > 0.0f ? exact_divide(amax, Code<C>::kMax) : 1.0f;
+  for (int64_t i = 0; i < n; ++i)
+    codes[i] = Code<C>::encode(exact_divide(static_cast<float>(row[i]), scale));
+  return scale;
+}
+
+template <typename C, typename T>
+void write_kv_quantized_typed(at::Tensor& kv_layer, at::Tensor& kv_scales, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& slots) {
+  const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
+  const int64_t block_size = kv_layer.size(2), num_blocks = kv_layer.size(0);
+  C* cache = kv_layer.data_ptr<C>();
+  float* scales = kv_scales.data_ptr<float>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_blocks * block_size, "slot out of range");
+  at::parallel_for(0, num_tokens, grain(2 * num_heads * head_dim), [&](int64_t begin,
+                                                                       int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+      C* base = cache + block * kv_layer.stride(0) + offset * kv_layer.stride(2);
+      float* scale_base = scales + block * kv_scales.stride(0) + offset * kv_scales.stride(2);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        C* k_codes = base + h * kv_layer.stride(3);
+        C* v_codes = k_codes + kv_layer.stride(1);
+        float* k_scale = scale_base + h * kv_scales.stride(3);
+        float* v_scale = k_scale + kv_scales.stride(1);
+        *k_scale = quantize_row(k + t * key.stride(0) + h * key.stride(1), k_codes, head_dim);
+        *v_scale = quantize_row(v + t * value.stride(0) + h * value.stride(1), v_codes, head_dim);
+      }
+    }
+  });
+}
+
 // Calls body<T>() for the float dtype of `t` (float32, bfloat16 or float16).
 template <typename Body>
 void dispatch_float(const at::Tensor& t, const char* op, Body&& body) {
@@ -254,8 +348,9 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
   });
 }
 
-void write_kv_(at::Tensor kv_layer, const at::Tensor& key, const at::Tensor& value,
-               const at::Tensor& slots) {
+// The checks write_kv_ and write_kv_quantized_ share.
+void check_kv_write(const at::Tensor& kv_layer, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& slots) {
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.stride(4) == 1,
               "kv_layer must be [blocks, 2, block_size, kv_heads, head_dim], last dim contiguous");
   check_rows(key, 3, "key");
@@ -266,11 +361,36 @@ void write_kv_(at::Tensor kv_layer, const at::Tensor& key, const at::Tensor& val
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == key.size(0),
               "slots must be a contiguous int64 tensor with one slot per token");
+}
+
+void write_kv_(at::Tensor kv_layer, const at::Tensor& key, const at::Tensor& value,
+               const at::Tensor& slots) {
+  check_kv_write(kv_layer, key, value, slots);
   dispatch_float(kv_layer, "write_kv_", [&](auto cache_tag) {
     dispatch_float(key, "write_kv_", [&](auto tag) {
       write_kv_typed<decltype(cache_tag), decltype(tag)>(kv_layer, key, value, slots);
     });
   });
+}
+
+void write_kv_quantized_(at::Tensor kv_layer, at::Tensor kv_scales, const at::Tensor& key,
+                         const at::Tensor& value, const at::Tensor& slots) {
+  check_kv_write(kv_layer, key, value, slots);
+  TORCH_CHECK(kv_scales.scalar_type() == at::kFloat && kv_scales.dim() == 4 &&
+                  kv_scales.sizes() == kv_layer.sizes().slice(0, 4),
+              "kv_scales must be float32 [blocks, 2, block_size, kv_heads]");
+  const auto body = [&](auto code_tag) {
+    dispatch_float(key, "write_kv_quantized_", [&](auto tag) {
+      write_kv_quantized_typed<decltype(code_tag), decltype(tag)>(kv_layer, kv_scales, key,
+                                                                  value, slots);
+    });
+  };
+  switch (kv_layer.scalar_type()) {
+    case at::kChar: return body(int8_t{});
+    case at::kFloat8_e4m3fn: return body(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return body(c10::Float8_e5m2{});
+    default: TORCH_CHECK(false, "write_kv_quantized_ writes int8 and float8 (e4m3fn, e5m2) only");
+  }
 }
 
 }  // namespace
@@ -281,6 +401,9 @@ TORCH_LIBRARY_FRAGMENT(kvpool_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("write_kv_(Tensor(a!) kv_layer, Tensor key, Tensor value, Tensor slots) -> ()");
+  m.def(
+      "write_kv_quantized_(Tensor(a!) kv_layer, Tensor(b!) kv_scales, Tensor key, Tensor value, "
+      "Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) {
@@ -289,4 +412,5 @@ TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
   m.impl("write_kv_", &write_kv_);
+  m.impl("write_kv_quantized_", &write_kv_quantized_);
 }

@@ -13,14 +13,21 @@
 // Shapes (the cache is a strided per-layer view, last dimension contiguous):
 //   query        [num_seqs, num_heads, head_dim]        float32, bfloat16 or float16
 //   kv_cache     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0: K, 1: V)
-//                                                        float32, bfloat16 or float16
+//                float32, bfloat16, float16, or the codes of int8 / float8 (e4m3fn, e5m2)
+//   kv_scales    [num_blocks, 2, block_size, num_kv_heads] float32, for a code cache only
 //   block_tables [num_seqs, max_num_blocks] int32
 //   seq_lens     [num_seqs] int32   (context length, including the token being decoded)
 //   returns      [num_seqs, num_heads, head_dim]         the query's dtype
 //
 // Whatever the dtypes, the arithmetic is float32: each K/V element is widened as it is loaded
-// (a 16-bit cache is read in place, at half the bytes of a float32 one), scores, softmax and
-// the weighted sum accumulate in float32, and the output is narrowed once at the end.
+// (a 16-bit cache is read in place, at half the bytes of a float32 one, an 8-bit one at a
+// quarter: `kv_load.h`), scores, softmax and the weighted sum accumulate in float32, and the
+// output is narrowed once at the end.
+//
+// Quantized caches are dequantized in registers, never into a copy. A row's K is `s * code`
+// with one scale s per (token, KV head), so dot(q, s * code) = s * dot(q, code): the scale
+// multiplies the row's score once; likewise V's scale joins the softmax weight (p * s). The
+// result equals attention over the dequantized rows up to float32 rounding.
 //
 // Grouped-query attention: the `group_size = num_heads / num_kv_heads` query heads that share a
 // KV head use each loaded K and V row in turn. Two passes over the context: scores (reading K),
@@ -29,22 +36,26 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <optional>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kv_load.h"
 
 namespace {
+
+using kv_load::as_float;
+using kv_load::kCodeUnit;
+using kv_load::kIsCode;
+#if defined(__AVX512F__)
+using kv_load::load_wide;
+using kv_load::WideRow;
+#endif
 
 struct HeadShape {
   int64_t num_heads;
@@ -59,18 +70,9 @@ struct CacheLayout {
   int64_t token_stride;  // elements between consecutive tokens of a block
   int64_t head_stride;   // elements between consecutive KV heads of a token
   int64_t block_size;
+  // The same strides of kv_scales, in floats (code caches only; 0 otherwise).
+  int64_t scale_block_stride, scale_kv_stride, scale_token_stride, scale_head_stride;
 };
-
-// Element i of a row, widened to float32. bfloat16 is the top half of a float32, so widening
-// is a shift, which vectorises; float16 goes through the hardware conversion (F16C).
-inline float widen(const float* row, int64_t i) { return row[i]; }
-inline float widen(const c10::BFloat16* row, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[i]) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-inline float widen(const c10::Half* row, int64_t i) { return static_cast<float>(row[i]); }
 
 // `kHeadDim` > 0 fixes head_dim at compile time so the row loops unroll and vectorise fully;
 // 0 reads it at run time.
@@ -91,55 +93,7 @@ inline void add_scaled(float* __restrict acc, const float* __restrict row, float
   for (int64_t i = 0; i < n; ++i) acc[i] += weight * row[i];
 }
 
-// dst[0..n) = widen(src[0..n)), 16 lanes at a time where AVX-512 is there (the compiler does
-// not vectorise the scalar `widen` of the 16-bit types).
-inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i,
-                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = widen(src, i);
-}
-inline void widen_row(const c10::Half* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i,
-                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = widen(src, i);
-}
-
-#if defined(__AVX512F__)
-// A K or V row of kLanes * 16 elements, widened to float32 in registers once, then used by
-// every query head of its group (no reload, no re-widening per head).
-template <int64_t kLanes>
-struct WideRow {
-  __m512 lanes[kLanes];
-};
-
-template <int64_t kLanes>
-inline void load_wide(WideRow<kLanes>& row, const float* src) {
-  for (int64_t l = 0; l < kLanes; ++l) row.lanes[l] = _mm512_loadu_ps(src + 16 * l);
-}
-template <int64_t kLanes>
-inline void load_wide(WideRow<kLanes>& row, const c10::BFloat16* src) {
-  for (int64_t l = 0; l < kLanes; ++l) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * l));
-    row.lanes[l] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-}
-template <int64_t kLanes>
-inline void load_wide(WideRow<kLanes>& row, const c10::Half* src) {
-  for (int64_t l = 0; l < kLanes; ++l)
-    row.lanes[l] = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * l)));
-}
-
 template <int64_t kLanes>
 inline float dot_wide(const float* __restrict query, const WideRow<kLanes>& key) {
   __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(query), key.lanes[0]);
@@ -180,60 +134,86 @@ inline void softmax(float* row, int64_t length) {
   for (int64_t i = 0; i < length; ++i) row[i] *= inverse_total;
 }
 
-// Calls visit(position, row) for positions 0..seq_len-1 in order, where `row` points at that
-// token's rows for all KV heads in the plane starting at `plane` (the cache for K, the cache plus
-// kv_stride for V). Walks the block table once, prefetching the next block's rows as it goes.
+// One plane (K or V) of the cache: where its rows start and, for a code cache, their scales.
+template <typename T>
+struct Plane {
+  const T* rows;
+  const float* scales;  // nullptr unless kIsCode<T>
+};
+
+template <typename T>
+inline Plane<T> value_plane(const Plane<T>& keys, const CacheLayout& layout) {
+  return {keys.rows + layout.kv_stride,
+          kIsCode<T> ? keys.scales + layout.scale_kv_stride : nullptr};
+}
+
+// What turns row `kv_head` of a token's widened elements into values: its scale times the code
+// unit for a code cache; 1 for a float one, which the compiler folds away.
+template <typename T>
+inline float row_scale(const float* token_scales, int64_t kv_head, const CacheLayout& layout) {
+  if constexpr (kIsCode<T>) {
+    return token_scales[kv_head * layout.scale_head_stride] * kCodeUnit<T>;
+  } else {
+    return 1.0f;
+  }
+}
+
+// Calls visit(position, rows, scales) for positions 0..seq_len-1 in order, where `rows` points
+// at that token's rows for all KV heads in `plane` and `scales` at their scales (nullptr for a
+// float cache). Walks the block table once, prefetching the next block's rows (and scales) as
+// it goes.
 template <typename T, typename Visit>
-inline void for_each_token(const T* plane, const int32_t* block_table, int64_t seq_len,
-                           int64_t row_elements, const CacheLayout& layout, Visit&& visit) {
+inline void for_each_token(const Plane<T>& plane, const int32_t* block_table, int64_t seq_len,
+                           const HeadShape& heads, const CacheLayout& layout, Visit&& visit) {
+  const int64_t row_elements = heads.num_kv_heads * layout.head_stride;
   const int64_t num_blocks = (seq_len + layout.block_size - 1) / layout.block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* rows = plane + block_table[b] * layout.block_stride;
-    const T* next_rows =
-        plane + block_table[std::min(b + 1, num_blocks - 1)] * layout.block_stride;
+    const int64_t block = block_table[b], next = block_table[std::min(b + 1, num_blocks - 1)];
+    const T* rows = plane.rows + block * layout.block_stride;
+    const T* next_rows = plane.rows + next * layout.block_stride;
     const int64_t first = b * layout.block_size;
     const int64_t count = std::min(layout.block_size, seq_len - first);
     for (int64_t t = 0; t < count; ++t) {
       prefetch(next_rows + t * layout.token_stride, row_elements);
-      visit(first + t, rows + t * layout.token_stride);
+      const float* scales = nullptr;
+      if constexpr (kIsCode<T>) {
+        scales = plane.scales + block * layout.scale_block_stride + t * layout.scale_token_stride;
+        prefetch(plane.scales + next * layout.scale_block_stride + t * layout.scale_token_stride,
+                 heads.num_kv_heads * layout.scale_head_stride);
+      }
+      visit(first + t, rows + t * layout.token_stride, scales);
     }
   }
-}
-
-// One row as float32: the cache's own memory for a float32 cache, else widened into `scratch`.
-inline const float* as_float(const float* row, float*, int64_t) { return row; }
-template <typename T>
-inline const float* as_float(const T* row, float* scratch, int64_t n) {
-  widen_row(row, scratch, n);
-  return scratch;
 }
 
 #if defined(__AVX512F__)
 // `attend_sequence` for head_dim = kLanes * 16 with AVX-512: each K and V row is widened into
 // registers once and serves the whole query group.
 template <int64_t kLanes, typename T>
-void attend_sequence_wide(const float* __restrict query, float* __restrict out, const T* cache,
-                          const int32_t* block_table, int64_t seq_len, const HeadShape& heads,
-                          const CacheLayout& layout, float* __restrict scores) {
+void attend_sequence_wide(const float* __restrict query, float* __restrict out,
+                          const Plane<T>& cache, const int32_t* block_table, int64_t seq_len,
+                          const HeadShape& heads, const CacheLayout& layout,
+                          float* __restrict scores) {
   constexpr int64_t kHeadDim = kLanes * 16;
-  const int64_t row_elements = heads.num_kv_heads * layout.head_stride;
   WideRow<kLanes> row;
-  for_each_token(cache, block_table, seq_len, row_elements, layout,
-                 [&](int64_t position, const T* keys) {
+  for_each_token(cache, block_table, seq_len, heads, layout,
+                 [&](int64_t position, const T* keys, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      load_wide(row, keys + kv_head * layout.head_stride);
+                     const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
-                       scores[h * seq_len + position] = dot_wide(query + h * kHeadDim, row);
+                       scores[h * seq_len + position] = dot_wide(query + h * kHeadDim, row) * s;
                    }
                  });
   for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * seq_len, seq_len);
   std::fill(out, out + heads.num_heads * kHeadDim, 0.0f);
-  for_each_token(cache + layout.kv_stride, block_table, seq_len, row_elements, layout,
-                 [&](int64_t position, const T* values) {
+  for_each_token(value_plane(cache, layout), block_table, seq_len, heads, layout,
+                 [&](int64_t position, const T* values, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      load_wide(row, values + kv_head * layout.head_stride);
+                     const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
-                       add_scaled_wide(out + h * kHeadDim, row, scores[h * seq_len + position]);
+                       add_scaled_wide(out + h * kHeadDim, row, scores[h * seq_len + position] * s);
                    }
                  });
 }
@@ -244,7 +224,7 @@ void attend_sequence_wide(const float* __restrict query, float* __restrict out, 
 // run, so the cache is streamed, never re-read. Query head h = kv_head * group_size + g.
 // `scores` is scratch for [num_heads, seq_len] floats; `out` is [num_heads, head_dim].
 template <int64_t kHeadDim, typename T>
-void attend_sequence(const float* __restrict query, float* __restrict out, const T* cache,
+void attend_sequence(const float* __restrict query, float* __restrict out, const Plane<T>& cache,
                      const int32_t* block_table, int64_t seq_len, const HeadShape& heads,
                      const CacheLayout& layout, float* __restrict scores) {
 #if defined(__AVX512F__)
@@ -255,28 +235,29 @@ void attend_sequence(const float* __restrict query, float* __restrict out, const
   }
 #endif
   const int64_t head_dim = heads.head_dim;
-  const int64_t row_elements = heads.num_kv_heads * layout.head_stride;
   std::vector<float> row(static_cast<size_t>(head_dim));
-  for_each_token(cache, block_table, seq_len, row_elements, layout,
-                 [&](int64_t position, const T* keys) {
+  for_each_token(cache, block_table, seq_len, heads, layout,
+                 [&](int64_t position, const T* keys, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      const float* key = as_float(keys + kv_head * layout.head_stride, row.data(),
                                                  head_dim);
+                     const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
                        scores[h * seq_len + position] =
-                           dot<kHeadDim>(query + h * head_dim, key, head_dim);
+                           dot<kHeadDim>(query + h * head_dim, key, head_dim) * s;
                    }
                  });
   for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * seq_len, seq_len);
   std::fill(out, out + heads.num_heads * head_dim, 0.0f);
-  for_each_token(cache + layout.kv_stride, block_table, seq_len, row_elements, layout,
-                 [&](int64_t position, const T* values) {
+  for_each_token(value_plane(cache, layout), block_table, seq_len, heads, layout,
+                 [&](int64_t position, const T* values, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      const float* value = as_float(values + kv_head * layout.head_stride,
                                                    row.data(), head_dim);
+                     const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
                        add_scaled<kHeadDim>(out + h * head_dim, value,
-                                            scores[h * seq_len + position], head_dim);
+                                            scores[h * seq_len + position] * s, head_dim);
                    }
                  });
 }
@@ -298,16 +279,31 @@ std::vector<int64_t> balanced_bounds(const int32_t* seq_lens, int64_t num_seqs,
   return bounds;
 }
 
+bool is_code_dtype(at::ScalarType type) {
+  return type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
 // Checks the inputs, the block ids included (cheap next to the reads: one id per block).
 void check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                  const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query must be 3-D and kv_cache 5-D");
   const auto is_float = [](const at::Tensor& t) {
     return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
            t.scalar_type() == at::kHalf;
   };
-  TORCH_CHECK(is_float(query) && is_float(kv_cache),
-              "paged_decode supports float32, bfloat16 and float16 only");
+  const bool is_code = is_code_dtype(kv_cache.scalar_type());
+  TORCH_CHECK(is_float(query) && (is_float(kv_cache) || is_code),
+              "paged_decode supports float32, bfloat16 and float16 only (and int8 or float8 "
+              "e4m3fn / e5m2 codes in the cache)");
+  TORCH_CHECK(is_code == kv_scales.has_value(),
+              is_code ? "an int8 / float8 kv_cache needs its kv_scales"
+                      : "kv_scales belong to an int8 / float8 kv_cache only");
+  if (is_code) {
+    TORCH_CHECK(kv_scales->scalar_type() == at::kFloat && kv_scales->dim() == 4 &&
+                    kv_scales->sizes() == kv_cache.sizes().slice(0, 4),
+                "kv_scales must be float32 [num_blocks, 2, block_size, num_kv_heads]");
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(kv_cache.stride(4) == 1, "kv_cache must be contiguous in head_dim");
@@ -333,18 +329,26 @@ void check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
 
 // The typed body: query element type Q (also the output's), cache element type T.
 template <typename Q, typename T>
-void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+void run(const at::Tensor& query, const at::Tensor& kv_cache,
+         const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
          const at::Tensor& seq_lens, float scale, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
   const HeadShape heads{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim};
-  const CacheLayout layout{kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-                           kv_cache.stride(3), kv_cache.size(2)};
+  CacheLayout layout{kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                     kv_cache.stride(3), kv_cache.size(2), 0, 0, 0, 0};
+  Plane<T> cache{kv_cache.data_ptr<T>(), nullptr};
+  if constexpr (kIsCode<T>) {
+    layout.scale_block_stride = kv_scales->stride(0);
+    layout.scale_kv_stride = kv_scales->stride(1);
+    layout.scale_token_stride = kv_scales->stride(2);
+    layout.scale_head_stride = kv_scales->stride(3);
+    cache.scales = kv_scales->data_ptr<float>();
+  }
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t max_num_blocks = block_tables.size(1);
   const Q* query_data = query.data_ptr<Q>();
-  const T* cache_data = kv_cache.data_ptr<T>();
   Q* out_data = out.data_ptr<Q>();
   const auto attend = head_dim == 64    ? &attend_sequence<64, T>
                       : head_dim == 128 ? &attend_sequence<128, T>
@@ -358,8 +362,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       scores.resize(static_cast<size_t>(num_heads * lens[seq]));
       const Q* seq_query = query_data + seq * row;
       for (int64_t i = 0; i < row; ++i) scaled_query[i] = static_cast<float>(seq_query[i]) * scale;
-      attend(scaled_query.data(), acc.data(), cache_data, tables + seq * max_num_blocks,
-             lens[seq], heads, layout, scores.data());
+      attend(scaled_query.data(), acc.data(), cache, tables + seq * max_num_blocks, lens[seq],
+             heads, layout, scores.data());
       Q* seq_out = out_data + seq * row;
       for (int64_t i = 0; i < row; ++i) seq_out[i] = static_cast<Q>(acc[i]);
     }
@@ -368,33 +372,39 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 
 template <typename Q>
 void run_for_query(const at::Tensor& query, const at::Tensor& kv_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
-                   at::Tensor& out) {
+                   const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+  const auto body = [&](auto tag) {
+    run<Q, decltype(tag)>(query, kv_cache, kv_scales, block_tables, seq_lens, scale, out);
+  };
   switch (kv_cache.scalar_type()) {
-    case at::kFloat: return run<Q, float>(query, kv_cache, block_tables, seq_lens, scale, out);
-    case at::kBFloat16:
-      return run<Q, c10::BFloat16>(query, kv_cache, block_tables, seq_lens, scale, out);
-    default: return run<Q, c10::Half>(query, kv_cache, block_tables, seq_lens, scale, out);
+    case at::kFloat: return body(float{});
+    case at::kBFloat16: return body(c10::BFloat16{});
+    case at::kHalf: return body(c10::Half{});
+    case at::kChar: return body(int8_t{});
+    case at::kFloat8_e4m3fn: return body(c10::Float8_e4m3fn{});
+    default: return body(c10::Float8_e5m2{});
   }
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        const std::optional<at::Tensor>& kv_scales) {
   const at::Tensor query_c = query.contiguous();
   const at::Tensor tables_c = block_tables.contiguous();
   const at::Tensor lens_c = seq_lens.contiguous();
-  check_inputs(query_c, kv_cache, tables_c, lens_c);
+  check_inputs(query_c, kv_cache, kv_scales, tables_c, lens_c);
   at::Tensor out = at::empty_like(query_c);
   const float scale_f = static_cast<float>(scale);
   switch (query_c.scalar_type()) {
     case at::kFloat:
-      run_for_query<float>(query_c, kv_cache, tables_c, lens_c, scale_f, out);
+      run_for_query<float>(query_c, kv_cache, kv_scales, tables_c, lens_c, scale_f, out);
       break;
     case at::kBFloat16:
-      run_for_query<c10::BFloat16>(query_c, kv_cache, tables_c, lens_c, scale_f, out);
+      run_for_query<c10::BFloat16>(query_c, kv_cache, kv_scales, tables_c, lens_c, scale_f, out);
       break;
     default:
-      run_for_query<c10::Half>(query_c, kv_cache, tables_c, lens_c, scale_f, out);
+      run_for_query<c10::Half>(query_c, kv_cache, kv_scales, tables_c, lens_c, scale_f, out);
   }
   return out;
 }
@@ -404,7 +414,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
 TORCH_LIBRARY(kvpool_cpu, m) {
   m.def(
       "paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, Tensor? kv_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,81 @@
+"""Quantized KV storage: what `kv_cache_dtype` names mean, and the reference quantizer.
+
+`kv_cache_dtype` (vLLM's option name) picks the dtype the KV cache is *stored* in:
+
+    auto                 the model's dtype (no scales)
+    float32 / bfloat16 / float16   that float dtype (no scales; 16-bit K/V are widened on load)
+    int8                 symmetric int8, one float32 scale per (token, KV head), K and V apart
+    fp8, fp8_e4m3        float8 e4m3 (the finite-only "fn" variant, max 448), scaled as int8
+    fp8_e5m2             float8 e5m2 (max 57344), scaled as int8
+
+Quantization is dynamic and needs no calibration: when a token's K (or V) row of one KV head
+is written, its scale is `amax(|row|) / qmax` (1 for an all-zero row), and the stored code is
+`round(row / scale)` (int8: round half to even, clamped to ±127; fp8: clamped to ±qmax, then
+rounded to nearest even by the dtype conversion). Reading multiplies the code by its scale:
+`row ≈ code * scale`.
+
+Why one scale per (token, KV head) and not per (block, KV head): a block is written a token at
+a time during decode, so a per-block scale is either fixed by the block's first token (later,
+larger tokens clip) or forces the whole block to be requantized on every append (which changes
+bytes a prefix-cache hit or a copy-on-write fork already shares). A per-token scale is written
+once with its token and never changes, and its error is measured smaller
+(`kvpool bench precision --kv-granularity`, docs/memory.md). It costs 4 bytes per 64-element
+row (6%), which `KVLayout.bytes_per_block` counts.
+
+The functions here are the reference every kernel is tested against (`kvpool.memory.kv_cache`
+writes with them on paths no kernel serves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.memory.kv_layout import KV_CACHE_DTYPES, QUANTIZED_CODE_MAX
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The storage dtype's torch name for a `kv_cache_dtype` option; ValueError, naming the
+    choices, for an unknown one. `model_dtype` is the model's torch dtype name."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    storage = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+    if storage.startswith("float8") and not hasattr(torch, storage):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs torch.{storage} "
+                         f"(PyTorch >= 2.1); this is PyTorch {torch.__version__}")
+    return storage
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a KV tensor of this dtype holds codes that need scales."""
+    return str(dtype).removeprefix("torch.") in QUANTIZED_CODE_MAX
+
+
+def qmax(dtype: torch.dtype) -> float:
+    return QUANTIZED_CODE_MAX[str(dtype).removeprefix("torch.")]
+
+
+def quantize(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` [..., head_dim] → (codes [..., head_dim] in `dtype`, scales [...] float32), one
+    symmetric scale per row."""
+    return encode(rows, scales_for(rows.float().abs().amax(dim=-1), dtype), dtype)
+
+
+def scales_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale that maps each `amax` onto the largest code of `dtype` (1 where amax is 0)."""
+    return torch.where(amax > 0, amax / qmax(dtype), torch.ones_like(amax))
+
+
+def encode(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` [..., head_dim] as codes of `dtype` under the given `scales` [...]."""
+    largest = qmax(dtype)
+    scaled = rows.float() / scales[..., None]
+    if dtype == torch.int8:
+        return scaled.round().clamp(-largest, largest).to(torch.int8), scales
+    return scaled.clamp(-largest, largest).to(dtype), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., head_dim] and scales [...] → rows [..., head_dim] in `dtype`."""
+    return (codes.float() * scales[..., None]).to(dtype)
