@@ -51,7 +51,8 @@ def main(plan_path: str, result_path: str) -> None:
         "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config
         .max_num_batched_tokens,
         "kv_cache_dtype": plan.get("kv_cache_dtype", "auto"),
-        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        "num_gpu_blocks": getattr(llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks",
+                                  None),
         "runs": {},
     }
     for run in plan["runs"]:
