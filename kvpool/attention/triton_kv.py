@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpool.memory.kv_layout import QUANTIZED_CODE_MAX
+
 COPY_CHUNK = 4096  # elements per program in the block copy: 8 KiB of bf16, 16 B per thread
 
 # KV_QUANT modes of the kernels: how the cache stores K/V (float is the cache's own dtype).
@@ -43,12 +45,10 @@ _KV_QUANT_MODES = {
     torch.float8_e4m3fn: KV_QUANT_E4M3,
     torch.float8_e5m2: KV_QUANT_E5M2,
 }
-# The largest code of each mode (`kvpool.memory.kv_layout.QUANTIZED_CODE_MAX`).
-KV_QUANT_MAX = {
-    KV_QUANT_NONE: 1.0,
-    KV_QUANT_INT8: 127.0,
-    KV_QUANT_E4M3: 448.0,
-    KV_QUANT_E5M2: 57344.0,
+# The largest code of each mode (the layout owns them; 1 for a float cache, never used).
+KV_QUANT_MAX = {KV_QUANT_NONE: 1.0} | {
+    mode: QUANTIZED_CODE_MAX[str(dtype).removeprefix("torch.")]
+    for dtype, mode in _KV_QUANT_MODES.items()
 }
 
 

@@ -19,7 +19,7 @@ a time during decode, so a per-block scale is either fixed by the block's first 
 larger tokens clip) or forces the whole block to be requantized on every append (which changes
 bytes a prefix-cache hit or a copy-on-write fork already shares). A per-token scale is written
 once with its token and never changes, and its error is measured smaller
-(`kvpool bench precision --kv-granularity`, docs/memory.md). It costs 4 bytes per 64-element
+(`kvpool bench kv-granularity`, docs/memory.md). It costs 4 bytes per 64-element
 row (6%), which `KVLayout.bytes_per_block` counts.
 
 The functions here are the reference every kernel is tested against (`kvpool.memory.kv_cache`
