@@ -10,7 +10,7 @@
 #   attention  decode kernel vs SDPA, 4 batches x 3 ctx  -> OUTDIR/attention.json
 #   engine     kvpool end to end, Llama-3-8B dummy bf16  -> OUTDIR/engine.json
 #   hf         transformers generate, same weights       -> OUTDIR/hf.json
-#   tests      the kernel tests, GPU-marked ones too     -> OUTDIR/gpu_tests.xml
+#   tests      the kernel and KV-transfer tests, GPU-marked too -> OUTDIR/gpu_tests.xml
 #   summary    the targets checked                        -> OUTDIR/gpu_check.json
 # and the log in OUTDIR/gpu_check.log. The whole run stays within GPU_CHECK_BUDGET_S seconds
 # (default 285): the tests, run last, get whatever the benchmarks left.
@@ -74,7 +74,7 @@ python_step attention 60
 python_step engine 55
 python_step hf 45
 
-pytest_args=(-q -p no:cacheprovider tests/attention/test_triton_kernels.py)
+pytest_args=(-q -p no:cacheprovider tests/attention/test_triton_kernels.py tests/memory/test_kv_transfer.py)
 pytest_args+=(--junitxml="$OUTDIR/gpu_tests.xml")
 if [[ ${#smoke_args[@]} -gt 0 ]]; then
     pytest_args+=(--collect-only)

@@ -19,23 +19,16 @@ from collections.abc import Sequence
 import torch
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.flops import key_flops, token_flops
 
 PEAK_MATMUL_SIZE = 2048  # M = N = K of the peak measurement
-
-
-def layer_weights(config: ModelConfig) -> int:
-    """Weights of one decoder layer's projections (q, k, v, o, gate, up, down)."""
-    hidden, heads, kv_heads = config.hidden_size, config.num_heads, config.num_kv_heads
-    attention = hidden * config.head_dim * (2 * heads + 2 * kv_heads)
-    return attention + 3 * hidden * config.intermediate_size
 
 
 def workload_flops(config: ModelConfig, requests: Sequence[tuple[int, int]],
                    cached_tokens: Sequence[int] | None = None) -> float:
     """FLOPs of generating `requests`, each (prompt length, output length), when each
     request's first `cached_tokens` prompt tokens come from the prefix cache (default none)."""
-    per_token = 2 * config.num_layers * layer_weights(config)
-    per_key = 4 * config.num_layers * config.num_heads * config.head_dim
+    per_token, per_key = token_flops(config), key_flops(config)
     lm_head_row = 2 * config.vocab_size * config.hidden_size
     cached_tokens = cached_tokens or [0] * len(requests)
     total = 0.0

@@ -9,6 +9,10 @@ prefix cache; `--shared-prefix N` starts every prompt with the same N tokens, to
 caching; `--dtypes float32 bfloat16` repeats everything per dtype, and `--kv-cache-dtypes auto
 int8 fp8` everything per KV storage dtype (with `--kv-cache-memory`: the same budget, so a
 quantized pool holds more tokens; vLLM runs the same KV dtype where it has it, fp8 for int8).
+`--preemption-modes recompute swap auto` repeats every kvpool run per preemption mode, with the
+same `--kv-cache-memory` and `--swap-space`; each run reports its preemptions of each kind, the
+blocks and bytes swapped out and in, and its output tokens/s over `recompute`'s. The baselines
+preempt their own way: they run once per dtype and KV dtype, next to the first mode.
 
 Each engine also reports its single-request decode latency (ms per token: the time the last
 `--latency-tokens` tokens of one request add), and each kvpool run its model FLOP/s next to the
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
+    from kvpool.engine.engine import EngineStats
     from kvpool.engine.llm import LLM
 
 Request = tuple[list[int], int]  # (prompt token ids, output length)
@@ -92,6 +97,7 @@ def _generate(llm: LLM, requests: list[Request], show_progress: bool) -> dict:
     num_prompt = sum(len(prompt) for prompt, _ in requests)
     stats, pool = llm.engine.stats(), llm.memory_stats()
     return {
+        **tier_stats(stats),
         "elapsed_s": elapsed,
         "requests_per_s": len(requests) / elapsed,
         "output_tokens_per_s": num_output / elapsed,
@@ -100,13 +106,28 @@ def _generate(llm: LLM, requests: list[Request], show_progress: bool) -> dict:
         "num_prompt_tokens": num_prompt,
         "peak_blocks_used": stats.peak_used_blocks,
         "num_blocks": pool.num_blocks,
-        "num_preemptions": stats.num_preemptions,
         "num_steps": stats.num_steps,
         "prefix_cache_hit_tokens": pool.prefix_cache_hits_tokens,
         "step_phase_seconds": stats.phase_seconds,
         "decode_only_model_seconds": stats.decode_only_model_seconds,
         "token_ids": token_ids,
         "num_cached_tokens": [output.num_cached_tokens for output in outputs],
+    }
+
+
+def tier_stats(stats: EngineStats) -> dict:
+    """Preemptions of each kind, the KV moved to and from the host tier, and the prompt tokens
+    each tier served: what a run's preemption mode and KV tiers did."""
+    return {
+        "num_preemptions": stats.num_preemptions,
+        "num_recompute_preemptions": stats.num_recompute_preemptions,
+        "num_swap_preemptions": stats.num_swap_preemptions,
+        "num_swapped_out_blocks": stats.num_swapped_out_blocks,
+        "num_swapped_out_bytes": stats.num_swapped_out_bytes,
+        "num_swapped_in_blocks": stats.num_swapped_in_blocks,
+        "num_swapped_in_bytes": stats.num_swapped_in_bytes,
+        "num_recompute_tokens_avoided": stats.num_recompute_tokens_avoided,
+        "cached_tokens_by_tier": dict(stats.cached_tokens_by_tier),
     }
 
 
@@ -121,8 +142,10 @@ def decode_latency(llm: LLM, prompt: list[int], num_tokens: int, pairs: int = 3)
     return statistics.median(samples)
 
 
-def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload) -> dict:
-    """Everything `--baseline` asks for, in one dtype: kvpool first, then each baseline."""
+def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload,
+              with_baselines: bool = True) -> dict:
+    """Everything `--baseline` asks for, in one dtype: kvpool first, then each baseline
+    (unless not `with_baselines`: kvpool alone)."""
     from kvpool.engine.llm import LLM
 
     start = time.perf_counter()
@@ -132,19 +155,20 @@ def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload
     config = replace(config, dtype=dtype)  # "auto" resolved: the baselines run the same
     runs = workload_runs(workload.requests(llm.engine.model_config.vocab_size), args.num_prompts)
     result = {"dtype": dtype, "kv_cache_dtype": config.kv_cache_dtype,
+              "preemption_mode": config.preemption_mode,
               "kv_bytes_per_token": llm.engine.kv_memory.layout.bytes_per_token,
               "kvpool": {"load_s": load_s, **run_kvpool(llm, runs, args.latency_tokens,
                                                         not args.json)}}
     kv_cache_bytes = llm.engine.kv_memory.arena.num_reserved_bytes
     del llm
-    if "vllm" in args.baseline:
+    if "vllm" in args.baseline and with_baselines:
         from kvpool.bench.vllm_baseline import BaselineUnavailable
 
         try:
             result["vllm"] = _run_vllm(args, config, runs, kv_cache_bytes)
         except BaselineUnavailable as error:  # keep what has been measured: report, go on
             result["vllm_error"] = str(error)
-    if "hf" in args.baseline:
+    if "hf" in args.baseline and with_baselines:
         from kvpool.bench.transformers_baseline import run_transformers
 
         result["hf"] = run_transformers(config, runs, args.baseline_batch_size, not args.json)
@@ -196,11 +220,35 @@ def compare(result: dict) -> dict:
     return comparison
 
 
+def compare_preemption_modes(results: list[dict]) -> None:
+    """Add each run's output tokens/s over the `recompute` run of the same dtype and KV dtype
+    (`comparison[label]["over_recompute"]`), where one ran."""
+    recompute = {(result["dtype"], result["kv_cache_dtype"]): result["kvpool"]["runs"]
+                 for result in results if result["preemption_mode"] == "recompute"}
+    for result in results:
+        reference = recompute.get((result["dtype"], result["kv_cache_dtype"]))
+        if reference is None:
+            continue
+        for label, ours in result["kvpool"]["runs"].items():
+            result["comparison"][label]["over_recompute"] = (
+                ours["output_tokens_per_s"] / reference[label]["output_tokens_per_s"])
+
+
 def _without_token_ids(result: dict) -> dict:
     for name in ("kvpool", "vllm"):
         for run in result.get(name, {}).get("runs", {}).values():
             run.pop("token_ids", None)
     return result
+
+
+def _variant_configs(args: argparse.Namespace, engine_config: EngineConfig) -> list[EngineConfig]:
+    """One config per dtype × KV dtype × preemption mode, all built before anything runs: an
+    impossible one (swap without --swap-space) fails at once, with nothing measured lost."""
+    return [replace(engine_config, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                    preemption_mode=mode)
+            for dtype in args.dtypes or [engine_config.dtype]
+            for kv_cache_dtype in args.kv_cache_dtypes or [engine_config.kv_cache_dtype]
+            for mode in args.preemption_modes or [engine_config.preemption_mode]]
 
 
 def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
@@ -219,6 +267,7 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     if min(*workload.input_len, *workload.output_len, *args.num_prompts,
            args.latency_tokens) < 1:
         raise SystemExit("lengths, --num-prompts and --latency-tokens must be at least 1")
+    configs = _variant_configs(args, engine_config)
     if "vllm" in args.baseline:
         _check_vllm_baseline(args, engine_config)  # before anything runs: fail fast, lose nothing
     import torch
@@ -228,12 +277,18 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         "num_prompts": args.num_prompts,
         "matmul_peak_gflops_per_s": {name: matmul_peak_flops(getattr(torch, name)) / 1e9
                                      for name in ("float32", "bfloat16")},
+        "preemption_modes": args.preemption_modes,
+        "kv_cache_memory": engine_config.kv_cache_memory,
+        "num_gpu_blocks": engine_config.num_gpu_blocks,
+        "swap_space_gib": engine_config.swap_space,
         "dtypes": [],
     }
-    for dtype in args.dtypes or [engine_config.dtype]:
-        for kv_cache_dtype in args.kv_cache_dtypes or [engine_config.kv_cache_dtype]:
-            config = replace(engine_config, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-            report["dtypes"].append(_without_token_ids(run_dtype(args, config, workload)))
+    first_mode = configs[0].preemption_mode
+    for config in configs:
+        with_baselines = config.preemption_mode == first_mode
+        report["dtypes"].append(
+            _without_token_ids(run_dtype(args, config, workload, with_baselines)))
+    compare_preemption_modes(report["dtypes"])
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=1))
     print(json.dumps(report) if args.json else format_report(report))

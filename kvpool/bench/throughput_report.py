@@ -1,4 +1,5 @@
-"""The readable report of `kvpool bench throughput`: one table per dtype, one row per run."""
+"""The readable report of `kvpool bench throughput`: one table per dtype (and KV dtype and
+preemption mode), one row per run; with `--preemption-modes`, a table comparing the modes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,32 @@ def format_report(report: dict) -> str:
     ]
     for result in report["dtypes"]:
         lines += ["", *_dtype_section(result, peaks.get(result["dtype"]))]
+    if report.get("preemption_modes"):
+        lines += ["", *_preemption_section(report)]
     return "\n".join(lines)
+
+
+def _preemption_section(report: dict) -> list[str]:
+    """One row per dtype, KV dtype, run and mode: tokens/s, preemptions, KV moved, and the
+    tokens/s over recompute's (where recompute ran)."""
+    budget, num_blocks = report.get("kv_cache_memory"), report.get("num_gpu_blocks")
+    budget_text = (f"{num_blocks:,} blocks" if num_blocks else
+                   f"{budget / 2**20:,.1f} MiB" if budget else "default")
+    title = (f"preemption modes (KV cache {budget_text}, swap space "
+             f"{report.get('swap_space_gib', 0):g} GiB):")
+    rows = [["dtype", "KV", "prompts", "mode", "output tok/s", "preemptions recompute/swap",
+             "MiB moved (out+in)", "over recompute"]]
+    for result in report["dtypes"]:
+        for label, run in result["kvpool"]["runs"].items():
+            moved = run["num_swapped_out_bytes"] + run["num_swapped_in_bytes"]
+            ratio = result["comparison"][label].get("over_recompute")
+            rows.append([
+                result["dtype"], result.get("kv_cache_dtype", "auto"), label,
+                result["preemption_mode"], f"{run['output_tokens_per_s']:.1f}",
+                f"{run['num_recompute_preemptions']}/{run['num_swap_preemptions']}",
+                f"{moved / 2**20:,.1f}", "–" if ratio is None else f"{ratio:.2f}×",
+            ])
+    return [title, *_columns(rows)]
 
 
 def _dtype_section(result: dict, peak: float | None) -> list[str]:
@@ -41,8 +67,9 @@ def _dtype_section(result: dict, peak: float | None) -> list[str]:
         rows.append(row)
     kv_dtype = result.get("kv_cache_dtype", "auto")
     vllm_kv = f", vLLM KV {result['vllm']['kv_cache_dtype']}" if "vllm" in result else ""
+    mode = f", preemption {result['preemption_mode']}" if "preemption_mode" in result else ""
     title = (f"{result['dtype']}, KV {kv_dtype} ({result.get('kv_bytes_per_token', 0):,} "
-             f"bytes/token{vllm_kv}):")
+             f"bytes/token{vllm_kv}){mode}:")
     lines = [title, *_columns(rows)]
     if "vllm_error" in result:
         lines.append(f"vLLM did not finish: {result['vllm_error']}")
@@ -77,12 +104,23 @@ def _kvpool_details(runs: dict) -> list[str]:
                           if phase != "model")
         lines.append(
             f"kvpool, {label} prompts: {run['elapsed_s']:.1f} s; peak blocks used "
-            f"{run['peak_blocks_used']:,} of {run['num_blocks']:,}, preemptions "
-            f"{run['num_preemptions']}, prefix-cache hit tokens "
+            f"{run['peak_blocks_used']:,} of {run['num_blocks']:,}, {_preemptions(run)}, "
+            f"prefix-cache hit tokens "
             f"{run['prefix_cache_hit_tokens']:,}; time in model {model:.1f} s (in steps with "
             f"prefill chunks {model - decode:.1f} s, in decode-only steps {decode:.1f} s), "
             f"{other}")
     return lines
+
+
+def _preemptions(run: dict) -> str:
+    text = (f"preemptions {run['num_preemptions']} (recompute "
+            f"{run['num_recompute_preemptions']}, swap {run['num_swap_preemptions']})")
+    if run["num_swapped_out_blocks"] or run["num_swapped_in_blocks"]:
+        text += (f", swapped out {run['num_swapped_out_blocks']:,} blocks "
+                 f"({run['num_swapped_out_bytes'] / 2**20:,.1f} MiB) and in "
+                 f"{run['num_swapped_in_blocks']:,} ({run['num_swapped_in_bytes'] / 2**20:,.1f} "
+                 f"MiB), recompute avoided for {run['num_recompute_tokens_avoided']:,} tokens")
+    return text
 
 
 def _columns(rows: list[list[str]]) -> list[str]:

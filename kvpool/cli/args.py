@@ -13,7 +13,7 @@ import dataclasses
 import re
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import DEFAULT_KV_DISK_CACHE_SIZE, PREEMPTION_MODES, EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
@@ -100,6 +100,39 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         help="run a dummy batch at start-up so the first request pays no first-use costs",
     )
     _add_kv_pool_args(parser)
+    _add_kv_tier_args(parser)
+
+
+def _add_kv_tier_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV tiers below the device pool")
+    group.add_argument(
+        "--swap-space",
+        type=float,
+        default=0.0,
+        help="GiB of host memory (pinned on CUDA) for swapped-out sequences and prefix blocks "
+        "the device pool evicts (0: no host tier)",
+    )
+    group.add_argument(
+        "--preemption-mode",
+        default="auto",
+        choices=PREEMPTION_MODES,
+        help="what a preempted sequence's KV becomes: recompute (dropped), swap (to the host "
+        "tier and back), auto (the cheaper of the two per victim, by measured copy and "
+        "prefill rates)",
+    )
+    group.add_argument(
+        "--kv-disk-cache",
+        default=None,
+        metavar="DIR",
+        help="keep full prefix blocks in DIR (salted-hash keyed files, LRU within "
+        "--kv-disk-cache-size); a restarted engine finds them",
+    )
+    group.add_argument(
+        "--kv-disk-cache-size",
+        type=parse_size,
+        default=DEFAULT_KV_DISK_CACHE_SIZE,
+        help=f"bytes the disk tier may hold (default {DEFAULT_KV_DISK_CACHE_SIZE >> 30}GiB)",
+    )
 
 
 def _add_kv_pool_args(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,10 @@
-"""`kvpool bench blocks | throughput | serve | precision`: the benchmark commands' flags.
+"""`kvpool bench blocks | throughput | multi-turn | serve | precision | kv-capacity |
+kv-granularity`: the benchmark commands' flags.
 
 This module owns only the parsers. Each benchmark's logic lives in its own module,
-`kvpool.bench.blocks`, `kvpool.bench.throughput`, `kvpool.bench.serve` and
-`kvpool.bench.precision`, whose `run(args, ...)` prints a table, or one JSON object with
+`kvpool.bench.blocks`, `kvpool.bench.throughput`, `kvpool.bench.multi_turn`,
+`kvpool.bench.serve`, `kvpool.bench.precision`, `kvpool.bench.kv_capacity` and
+`kvpool.bench.kv_granularity`, whose `run(args, ...)` prints a table, or one JSON object with
 `--json`. Those modules are imported when a benchmark runs, never when the parser is built.
 """
 
@@ -12,12 +14,16 @@ import argparse
 import math
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
+
+# Constants only: kvpool.bench.multi_turn imports nothing heavy at module level.
+from kvpool.bench.multi_turn import DEFAULT_KV_CACHE_MEMORY, DEFAULT_SWAP_SPACE_GIB, TIERS
 from kvpool.cli.args import (
     DTYPE_CHOICES,
     add_engine_args,
     engine_config_from_args,
     parse_size,
 )
+from kvpool.engine.config import PREEMPTION_MODES
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 
 DEFAULT_VOCAB_SIZE = 512  # --vocab-size: every preset's vocabulary is at least this large
@@ -29,8 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for register_bench in (
-        _register_blocks, _register_throughput, _register_serve, _register_precision,
-        _register_kv_capacity, _register_kv_granularity
+        _register_blocks, _register_throughput, _register_multi_turn, _register_serve,
+        _register_precision, _register_kv_capacity, _register_kv_granularity
     ):
         register_bench(bench_subparsers)
 
@@ -68,6 +74,10 @@ def _register_throughput(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=None,
                         choices=tuple(KV_CACHE_DTYPES), metavar="KV_DTYPE",
                         help="repeat the benchmark per KV storage dtype, e.g. auto int8 fp8")
+    parser.add_argument("--preemption-modes", nargs="+", default=None, choices=PREEMPTION_MODES,
+                        metavar="MODE", help="repeat every kvpool run per preemption mode "
+                        "(overrides --preemption-mode; swap needs --swap-space), e.g. "
+                        "recompute swap auto; the baselines run once, with the first")
     parser.add_argument("--latency-tokens", type=int, default=128,
                         help="tokens of the single-request decode-latency measurement")
     parser.add_argument("--output-json", default=None, metavar="PATH",
@@ -75,6 +85,37 @@ def _register_throughput(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(parser)
     parser.set_defaults(func=run_throughput)
+
+
+def _register_multi_turn(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "multi-turn", help="chat conversations resending their history: TTFT and throughput "
+        "with the KV tiers off, host, disk, host+disk, and disk again after a restart"
+    )
+    parser.add_argument("--num-conversations", type=int, default=8, help="run at once")
+    parser.add_argument("--num-turns", type=int, default=4, help="turns per conversation")
+    parser.add_argument("--system-prompt-len", type=int, default=2048,
+                        help="tokens of the system prompt every conversation shares")
+    parser.add_argument("--user-len", type=int, default=64, help="new user tokens per turn")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens generated per turn")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS),
+                        metavar="TIER", help="configurations to run, one after another: "
+                        f"{', '.join(TIERS)} (default all); host tiers get --swap-space GiB "
+                        f"(here default {DEFAULT_SWAP_SPACE_GIB:g})")
+    parser.add_argument("--warmup-pass", action=argparse.BooleanOptionalAction, default=True,
+                        help="first run the whole workload once, untimed, so that first-use "
+                        "costs do not land on the first configuration (default on)")
+    parser.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                        help="where the disk tiers live: DIR/disk, DIR/host-disk (and "
+                        "DIR/warm-up), each EMPTIED before its configuration runs (default: a "
+                        "temporary directory, deleted afterwards)")
+    parser.add_argument("--output-json", default=None, metavar="PATH",
+                        help="also write the JSON object to PATH")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(parser)
+    parser.set_defaults(func=run_multi_turn, kv_cache_memory=DEFAULT_KV_CACHE_MEMORY,
+                        swap_space=DEFAULT_SWAP_SPACE_GIB)
 
 
 def _register_serve(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -166,6 +207,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     from kvpool.bench import throughput
 
     return throughput.run(args, engine_config_from_args(args))
+
+
+def run_multi_turn(args: argparse.Namespace) -> int:
+    from kvpool.bench import multi_turn
+
+    return multi_turn.run(args, engine_config_from_args(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from kvpool.engine.outputs import RequestOutput, merge_deltas
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.kv_pool import KVPoolStats
+from kvpool.memory.kv_tiers import KVTierStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class EngineSnapshot:
     memory: BlockPoolStats
     kv_pool: KVPoolStats  # online blocks, segments, grows/shrinks (elastic pools resize)
     stats: EngineStats
+    kv_tiers: KVTierStats  # the host and disk tiers: blocks, spills, reloads
     num_requests_running: int
     num_requests_waiting: int
     num_failed_steps: int
@@ -236,6 +238,7 @@ class AsyncLLMEngine:
             with self._accept_lock:
                 self._is_accepting = False
                 self._drain_commands()  # adds that raced the shutdown get their answer
+            self.engine.close()  # the KV tiers finish their copies and disk writes
             self._snapshot = self._take_snapshot()
 
     def _drain_commands(self) -> None:
@@ -333,6 +336,7 @@ class AsyncLLMEngine:
             memory=self.engine.memory_stats(),
             kv_pool=self.engine.kv_pool_stats(),
             stats=self.engine.stats(),
+            kv_tiers=self.engine.kv_tier_stats(),
             num_requests_running=num_running,
             num_requests_waiting=num_waiting,
             num_failed_steps=self._num_failed_steps,

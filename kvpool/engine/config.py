@@ -11,6 +11,8 @@ from kvpool.model.dtype import canonical_dtype_name
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes of KV cache on the CPU when nothing is said
 DEFAULT_CHUNKED_BATCHED_TOKENS = 1024
+DEFAULT_KV_DISK_CACHE_SIZE = 16 * 1024**3  # bytes of disk the disk tier may fill
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,14 @@ class EngineConfig:
     when the model is loaded (`kvpool.model.dtype.resolve_dtype`; the engine's `dtype`).
     `kv_cache_dtype` is the KV cache's storage dtype: "auto" (the model's), a float dtype, or
     the quantized "int8", "fp8" (= "fp8_e4m3") and "fp8_e5m2" (`kvpool.memory.kv_quant`).
+
+    Tiers below the device pool (`kvpool.memory.kv_tiers`): `swap_space` GiB of host memory
+    (page-locked on CUDA; 0: no host tier) hold swapped-out sequences and prefix blocks the
+    device evicts; `kv_disk_cache` names a directory where full prefix blocks are kept across
+    restarts, up to `kv_disk_cache_size` bytes. `preemption_mode` says what a preempted
+    sequence's KV becomes: "recompute" (dropped), "swap" (copied to the host tier, back on
+    resumption), or "auto" (per victim, whichever the measured copy and prefill rates say is
+    cheaper; recompute without a host tier).
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -54,6 +64,10 @@ class EngineConfig:
     kv_pool_segment_blocks: int | None = None  # blocks per segment; default 128
     kv_pool_idle_seconds: float | None = None  # idle time before a shrink; default 10
     enable_warmup: bool = True  # run a dummy batch at start-up (first-use costs paid there)
+    swap_space: float = 0.0  # GiB of host KV tier (vLLM's name); 0: none
+    preemption_mode: str = "auto"  # "auto", "recompute" or "swap"
+    kv_disk_cache: str | None = None  # directory of the disk KV tier; None: none
+    kv_disk_cache_size: int = DEFAULT_KV_DISK_CACHE_SIZE  # bytes the disk tier may hold
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
@@ -75,6 +89,7 @@ class EngineConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         self._check_kv_pool()
+        self._check_kv_tiers()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -102,6 +117,22 @@ class EngineConfig:
             raise ValueError(
                 f"kv_pool_segment_blocks must be at least 1, got {self.kv_pool_segment_blocks}"
             )
+
+    def _check_kv_tiers(self) -> None:
+        if not self.swap_space >= 0:  # also refuses NaN
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB)")
+        if self.kv_disk_cache_size < 1:
+            raise ValueError(
+                f"kv_disk_cache_size must be at least 1 byte, got {self.kv_disk_cache_size}")
+        if self.kv_disk_cache is not None and not str(self.kv_disk_cache).strip():
+            raise ValueError("kv_disk_cache must name a directory (or be None)")
+        if self.kv_disk_cache is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_disk_cache keeps prefix blocks: it needs enable_prefix_caching")
 
     def batched_tokens_limit(self, max_model_len: int) -> int:
         """Tokens per step: a chunk size with chunked prefill, else room for a whole prompt."""

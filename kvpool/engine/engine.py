@@ -14,6 +14,11 @@ output processor turns every request that changed into a `RequestOutput` (cumula
 final only, as each request asks). A step whose model or sampler raises is rolled back
 (`Scheduler.roll_back`) before the error propagates, so the engine can go on.
 
+KV moves between tiers (`kvpool.memory.kv_tiers`: spills, swaps, reloads from host or disk) by
+copies that scheduling queues and the step runs just before its model (`before_step`); the
+blocks a step published are written through to the disk tier after it (`after_step`).
+`close()` (also at garbage collection and exit) finishes the copies and the disk's writes.
+
 KV memory (`KVMemory`) resizes (an elastic pool grows or migrates blocks and shrinks) only at
 the top of a step, before anything is scheduled: no slot mapping or block copy is in flight
 then. At start-up a dummy batch warms the engine up (`kvpool.engine.warmup`), then every
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
@@ -36,6 +42,7 @@ from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.output_processor import OutputProcessor
 from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.preemption import PreemptionPolicy
 from kvpool.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -45,7 +52,9 @@ from kvpool.engine.warmup import warm_up
 from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
+from kvpool.memory.kv_tiers import KVTierStats
 from kvpool.memory.prefix_cache import SaltKey, hash_full_blocks, salt_key
+from kvpool.model.flops import prefill_flops
 
 PromptInput = str | SequenceOf[int] | dict
 
@@ -62,6 +71,14 @@ class EngineStats:
     num_generated_tokens: int
     phase_seconds: dict[str, float]  # wall time per step phase: schedule, model, sample, output
     decode_only_model_seconds: float  # the part of phase "model" in steps with no prefill chunk
+    num_recompute_preemptions: int  # preemptions whose KV was dropped
+    num_swap_preemptions: int  # preemptions whose KV went to the host tier
+    num_swapped_out_blocks: int
+    num_swapped_out_bytes: int
+    num_swapped_in_blocks: int
+    num_swapped_in_bytes: int
+    num_recompute_tokens_avoided: int  # computed tokens swapped sequences resumed with
+    cached_tokens_by_tier: dict[str, int]  # prompt tokens served from "device", "host", "disk"
 
 
 class LLMEngine:
@@ -83,7 +100,11 @@ class LLMEngine:
             max_num_batched_tokens=config.batched_tokens_limit(parts.max_model_len),
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        kv_manager = KVCacheManager(self.kv_memory)
+        policy = PreemptionPolicy(config.preemption_mode, self.kv_memory.layout.bytes_per_block,
+                                  lambda num_tokens: prefill_flops(parts.model_config, num_tokens))
+        kv_manager = KVCacheManager(self.kv_memory, policy)
+        self.kv_tiers = self.kv_memory.tiers
+        self._close_tiers = weakref.finalize(self, self.kv_tiers.close)
         self.scheduler = Scheduler(scheduler_config, kv_manager, stop_checker=self.outputs)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
@@ -104,6 +125,7 @@ class LLMEngine:
         self._decode_only_model_seconds = 0.0
         self.scheduler.num_preemptions = 0
         self.scheduler.num_recomputed_tokens = 0
+        self.scheduler.kv.reset_counters()
         self.kv_memory.reset()
 
     # ------------------------------------------------------------ requests
@@ -200,13 +222,16 @@ class LLMEngine:
         clock.lap("schedule")
         sampled = self._execute_and_sample(batch, clock)
         changed = self.scheduler.update(batch, sampled)
+        self.kv_tiers.after_step()  # what this step published, written through to disk
         clock.lap("sample")
         outputs = self._make_outputs(changed)
         clock.lap("output")
         return outputs
 
     def _execute_and_sample(self, batch: SchedulerOutput, clock: _PhaseClock) -> SamplerOutput:
-        """The model and the sampler; if either raises, the step is rolled back first."""
+        """The tiers' copies, the model and the sampler; if any raises, the step is rolled
+        back first."""
+        self.kv_tiers.before_step(_WrittenBlocks(batch))
         if not batch.chunks:
             return SamplerOutput(token_ids=[], logprobs=[])
         self._peak_used_blocks = max(self._peak_used_blocks,
@@ -281,13 +306,54 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             phase_seconds=dict(self._phase_seconds),
             decode_only_model_seconds=self._decode_only_model_seconds,
+            **self._swap_stats(),
         )
+
+    def _swap_stats(self) -> dict:
+        counters = self.scheduler.kv.counters
+        bytes_per_block = self.kv_memory.layout.bytes_per_block
+        return {
+            "num_recompute_preemptions": counters.num_recompute_preemptions,
+            "num_swap_preemptions": counters.num_swap_preemptions,
+            "num_swapped_out_blocks": counters.num_swapped_out_blocks,
+            "num_swapped_out_bytes": counters.num_swapped_out_blocks * bytes_per_block,
+            "num_swapped_in_blocks": counters.num_swapped_in_blocks,
+            "num_swapped_in_bytes": counters.num_swapped_in_blocks * bytes_per_block,
+            "num_recompute_tokens_avoided": counters.num_recompute_tokens_avoided,
+            "cached_tokens_by_tier": dict(counters.cached_tokens_by_tier),
+        }
+
+    def kv_tier_stats(self) -> KVTierStats:
+        """The host and disk tiers: their blocks, spills, reloads and swaps."""
+        return self.kv_tiers.stats()
+
+    def close(self) -> None:
+        """Finish the KV tiers' copies and the disk tier's writes (idempotent; also run when
+        the engine is garbage-collected and at exit)."""
+        self._close_tiers()
 
     def check_invariants(self) -> None:
         """Assert the scheduler's and KV memory's invariants (O(everything); for tests)."""
         sequences = [seq for request in self.requests.values() for seq in request.sequences]
         self.scheduler.check_invariants(sequences)
-        self.kv_memory.check_invariants()
+        self.kv_memory.check_invariants(self.scheduler.kv.num_swapped_host_blocks)
+
+
+class _WrittenBlocks:
+    """The device blocks a step writes (its new tokens' slots and its block copies'
+    destinations), worked out only if asked (the tiers ask on CUDA only)."""
+
+    def __init__(self, batch: SchedulerOutput) -> None:
+        self.batch = batch
+
+    def __call__(self) -> set[int]:
+        written = {copy.dst_block_id for copy in self.batch.block_copies}
+        for chunk in self.batch.chunks:
+            size = chunk.seq.block_table.block_size
+            first = chunk.num_computed_tokens // size
+            last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // size
+            written.update(chunk.block_ids[first:last + 1])
+        return written
 
 
 class _PhaseClock:

@@ -1,9 +1,16 @@
-"""The scheduler's one window onto KV memory: admission arithmetic, slots, forks, frees.
+"""The scheduler's one window onto KV memory: admission arithmetic, slots, forks, frees,
+preemption, and the tiers below the device pool.
 
-The scheduler decides *who* runs; this class decides whether their blocks fit and takes them.
-Keeping every pool call here leaves one place to change when KV can also live elsewhere: a
-swap-to-host preemption mode replaces `preempt` (copy blocks out instead of dropping them) and
-`admit` (copy them back), and the scheduler does not change.
+The scheduler decides *who* runs; this class decides whether their blocks fit and takes them,
+and where a preempted sequence's KV goes: dropped (recompute), or copied to host blocks the
+sequence owns while it waits (swap; `kvpool.engine.preemption` chooses). A swapped sequence
+keeps its `num_computed_tokens`; re-admitting it copies its blocks back and it goes on where
+it stopped.
+
+A prefix lookup walks the tiers: the device's prefix cache, then the host tier's, then the
+disk's (`KVTiers.find_below`), block by block while the hash chain matches. Disk blocks are
+read and validated once the admission is known to fit; what is found below the device is
+copied into new device blocks before the step's model runs, and counted per tier.
 
 Admission is planned once and carried out with the same prefix match: `plan_admission` looks
 the waiting sequence's block hashes up in the prefix cache (no hashing: the sequence keeps its
@@ -22,32 +29,55 @@ nothing. Growing only adds blocks; nothing already placed moves.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
 from kvpool.engine.sequence import Sequence
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_memory import KVMemory
+from kvpool.memory.kv_tiers import TierMatch
 from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionPlan:
-    """How a waiting sequence enters: reuse `prefix`, then compute `num_new_tokens`."""
+    """How a waiting sequence enters: reuse `prefix` (device blocks) and `below` (host and
+    disk blocks, copied up), or copy back its own swapped-out blocks; then compute
+    `num_new_tokens`."""
 
     prefix: PrefixMatch
     num_new_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix caches of every tier
+    below: TierMatch = field(default_factory=TierMatch)
+    swapped_host_ids: list[int] | None = None
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.prefix.num_cached_tokens
+
+@dataclass(slots=True)
+class SwapCounters:
+    """Preemptions by kind, and what swapping moved (blocks, bytes = blocks × bytes/block)."""
+
+    num_recompute_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_recompute_tokens_avoided: int = 0
+    # Prompt tokens served per tier, at each request's first admission (so they sum to the
+    # requests' `num_cached_tokens`; a re-admission's hits are the pools' hit counters').
+    cached_tokens_by_tier: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("device", "host", "disk"), 0))
 
 
 class KVCacheManager:
-    def __init__(self, memory: KVMemory) -> None:
+    def __init__(self, memory: KVMemory, policy: PreemptionPolicy | None = None) -> None:
         self.memory = memory
         self.pool = memory.pool
         self.layout = memory.layout
+        self.tiers = memory.tiers
+        self.policy = policy or PreemptionPolicy(RECOMPUTE, self.layout.bytes_per_block,
+                                                 lambda num_tokens: 0.0)
+        self.counters = SwapCounters()
+        self._swapped: dict[int, list[int]] = {}  # seq_id -> the host blocks it owns
 
     def new_block_table(self, cache_salt: str | None) -> BlockTable:
         return BlockTable(self.pool, cache_salt)
@@ -63,28 +93,92 @@ class KVCacheManager:
 
         The prefix lookup stops one token short of the end so that at least one token is
         computed: the step needs its logits. The watermark only matters when others run.
+        Disk blocks are read (and validated) only once the plan is known to fit.
         """
-        num_tokens = seq.num_tokens
-        prefix = self.pool.match_prefix(seq.block_hashes, seq.token_ids(0, num_tokens - 1))
-        num_new = num_tokens - prefix.num_cached_tokens
-        if num_new > token_budget:
-            if not allow_partial:
-                return None
-            num_new = token_budget
-        needed = self.pool.num_blocks_to_admit(prefix, prefix.num_cached_tokens + num_new)
-        if keep_watermark:
-            needed += self.memory.watermark_blocks
-        if not self.memory.grow_until_allocatable(needed):
+        if seq.seq_id in self._swapped:
+            return self._plan_swap_in(seq, token_budget, allow_partial, keep_watermark)
+        query = seq.token_ids(0, seq.num_tokens - 1)
+        prefix = self.pool.match_prefix(seq.block_hashes, query)
+        first_below = len(prefix.block_ids)
+        below = self.tiers.find_below(seq.block_hashes, query, first_below,
+                                      prefix.num_query_blocks)
+        size = self.layout.block_size
+        num_cached = prefix.num_cached_tokens + below.num_blocks * size
+        num_new = _num_new_tokens(seq.num_tokens - num_cached, token_budget, allow_partial)
+        if num_new is None:
             return None
-        return AdmissionPlan(prefix, num_new)
+        needed = self.pool.num_blocks_to_admit(prefix, num_cached + num_new)
+        if not self._grow_for(needed, keep_watermark):
+            return None
+        if below.num_blocks:
+            self.tiers.validate(below, query, first_below)
+            num_cached = prefix.num_cached_tokens + below.num_blocks * size
+            num_new = _num_new_tokens(seq.num_tokens - num_cached, token_budget, allow_partial)
+            if num_new is None:
+                return None
+        return AdmissionPlan(prefix, num_new, num_cached, below)
+
+    def _plan_swap_in(self, seq: Sequence, token_budget: int, allow_partial: bool,
+                      keep_watermark: bool) -> AdmissionPlan | None:
+        """Its swapped blocks come back, except the leading ones still cached on the device
+        (taken from there: no copy, no duplicate)."""
+        num_new = _num_new_tokens(seq.num_uncomputed_tokens, token_budget, allow_partial)
+        if num_new is None:
+            return None
+        prefix = self.pool.match_prefix(seq.block_hashes,
+                                        seq.token_ids(0, seq.num_computed_tokens))
+        needed = self.pool.num_blocks_to_admit(prefix, seq.num_computed_tokens + num_new)
+        if not self._grow_for(needed, keep_watermark):
+            return None
+        return AdmissionPlan(prefix, num_new, 0, swapped_host_ids=self._swapped[seq.seq_id])
+
+    def _grow_for(self, num_blocks: int, keep_watermark: bool) -> bool:
+        if keep_watermark:
+            num_blocks += self.memory.watermark_blocks
+        return self.memory.grow_until_allocatable(num_blocks)
 
     def admit(self, seq: Sequence, plan: AdmissionPlan) -> list[BlockCopy]:
-        """Take the planned cached prefix and the slots of the first chunk."""
-        prefix = plan.prefix
-        cached_ids = seq.token_ids(0, prefix.num_cached_tokens)
-        seq.num_computed_tokens = seq.block_table.take_prefix(prefix, cached_ids, seq.block_hashes)
+        """Take the planned cached prefix (copying up what was found below the device), or
+        copy the sequence's swapped blocks back; then the slots of the first chunk."""
+        if plan.swapped_host_ids is not None:
+            self._swap_in(seq, plan)
+        else:
+            self._take_cached_prefix(seq, plan)
         start = seq.num_computed_tokens
         return self.append_slots(seq, seq.token_ids(start, start + plan.num_new_tokens))
+
+    def _take_cached_prefix(self, seq: Sequence, plan: AdmissionPlan) -> None:
+        prefix, table = plan.prefix, seq.block_table
+        cached_ids = seq.token_ids(0, prefix.num_cached_tokens)
+        seq.num_computed_tokens = table.take_prefix(prefix, cached_ids, seq.block_hashes)
+        counts = {"device": prefix.num_cached_tokens}
+        if plan.below.num_blocks:
+            self.tiers.hold(plan.below)  # before allocating: that may spill into the host tier
+            table.append_tokens(seq.token_ids(seq.num_computed_tokens, plan.num_cached_tokens),
+                                computed=False)
+            reloaded = self.tiers.reload(plan.below, table.block_ids[len(prefix.block_ids):])
+            for tier, num_blocks in reloaded.items():
+                counts[tier] = num_blocks * self.layout.block_size
+            seq.num_computed_tokens = plan.num_cached_tokens
+            table.mark_computed(seq.num_computed_tokens, seq.block_hashes)
+        if seq.request.num_cached_tokens is None:  # a request's cached tokens count once
+            for tier, num_tokens in counts.items():
+                self.counters.cached_tokens_by_tier[tier] += num_tokens
+
+    def _swap_in(self, seq: Sequence, plan: AdmissionPlan) -> None:
+        """The device-cached leading blocks retaken, new device blocks for the rest with the
+        host copies queued into them; the retaken blocks' host copies are freed."""
+        host_ids = self._swapped.pop(seq.seq_id)
+        table, prefix = seq.block_table, plan.prefix
+        table.take_prefix(prefix, seq.token_ids(0, prefix.num_cached_tokens), seq.block_hashes)
+        num_reused = len(prefix.block_ids)
+        self.tiers.free_swapped(host_ids[:num_reused])
+        table.append_tokens(seq.token_ids(prefix.num_cached_tokens, seq.num_computed_tokens),
+                            computed=False)
+        self.tiers.swap_in(host_ids[num_reused:], table.block_ids[num_reused:])
+        table.mark_computed(seq.num_computed_tokens, seq.block_hashes)
+        self.counters.num_swapped_in_blocks += len(host_ids) - num_reused
+        self.counters.num_recompute_tokens_avoided += seq.num_computed_tokens
 
     def append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
         """Slots for `new_token_ids`, the sequence's next uncomputed tokens, growing KV memory
@@ -114,13 +208,53 @@ class KVCacheManager:
     def fork(self, seq: Sequence) -> BlockTable:
         return seq.block_table.fork()
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute mode: drop the sequence's KV; it is computed again when re-admitted.
+    def preempt(self, seq: Sequence) -> str:
+        """Take a running sequence's KV off the device; returns what became of it, "swap"
+        (copied to host blocks it owns) or "recompute" (dropped; computed again when
+        re-admitted, its full blocks kept in the prefix caches meanwhile)."""
+        table = seq.block_table
+        kind = RECOMPUTE
+        if self.tiers.has_host and seq.num_computed_tokens:
+            kind = self.policy.choose(table.num_blocks, seq.num_computed_tokens)
+        host_ids = self.tiers.swap_out(table.block_ids) if kind == SWAP else None
+        if host_ids is None:
+            self.counters.num_recompute_preemptions += 1
+            self.drop(seq)
+            return RECOMPUTE
+        self._swapped[seq.seq_id] = host_ids
+        self.counters.num_swap_preemptions += 1
+        self.counters.num_swapped_out_blocks += len(host_ids)
+        table.free()
+        return SWAP
 
-        Its full blocks stay in the prefix cache, so re-admission often finds them again.
-        """
+    def drop(self, seq: Sequence) -> None:
+        """Drop the sequence's KV on the device (its computed tokens are computed again)."""
         seq.block_table.free()
         seq.num_computed_tokens = 0
 
+    def is_swapped(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._swapped
+
+    @property
+    def num_swapped_host_blocks(self) -> int:
+        return sum(len(host_ids) for host_ids in self._swapped.values())
+
     def free(self, seq: Sequence) -> None:
+        host_ids = self._swapped.pop(seq.seq_id, None)
+        if host_ids is not None:
+            self.tiers.free_swapped(host_ids)
         seq.block_table.free()
+
+    def reset_counters(self) -> None:
+        self.counters = SwapCounters()
+
+
+_NO_PREFIX = PrefixMatch([], 0, 0, 0, 0)
+
+
+def _num_new_tokens(num_uncomputed: int, token_budget: int, allow_partial: bool) -> int | None:
+    """Tokens the first chunk computes: all, or (chunked prefill) what the budget allows;
+    None when they do not fit the budget and may not be split."""
+    if num_uncomputed <= token_budget:
+        return num_uncomputed
+    return token_budget if allow_partial else None

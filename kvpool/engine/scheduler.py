@@ -5,9 +5,11 @@ One step's batch, formed by `schedule()`:
 
 1. Running sequences, in priority order: each gets its remaining tokens (one for a decode, a
    chunk for an unfinished prefill) while the token budget lasts. When the pool has no block
-   for one of them, the lowest-priority, latest-arriving running sequence is preempted (its
-   KV dropped, itself requeued for recomputation) until the block fits, possibly the sequence
-   itself.
+   for one of them, the lowest-priority, latest-arriving running sequence is preempted until
+   the block fits, possibly the sequence itself; its KV is dropped for recomputation or
+   swapped to the host tier (`KVCacheManager.preempt` decides), and it waits again. A
+   sequence preempted twice within `HYSTERESIS_STEPS` steps is passed over as a victim while
+   another candidate is left (a thrashing guard).
 2. Waiting sequences, in priority order, while the budget, `max_num_seqs` and memory allow:
    admitted with their prefix-cache hit and a first chunk (or their whole prompt when chunked
    prefill is off). Admission stops at the first that does not fit (no overtaking), and no one
@@ -23,7 +25,9 @@ with their KV dropped, so no slot reserved for a step that never ran survives.
 
 Invariants (`check_invariants`): `running` is sorted by `Sequence.sort_key`; a sequence is
 running, waiting or finished, and in at most one of the two queues; between steps every running
-sequence's block table holds exactly its computed tokens, and every waiting one holds nothing.
+sequence's block table holds exactly its computed tokens, and every waiting one holds no device
+block and has no computed token, unless it is swapped out (its computed tokens then sit in host
+blocks it owns).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Protocol
 
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.outputs import Logprob
+from kvpool.engine.preemption import HYSTERESIS_STEPS, RECOMPUTE
 from kvpool.engine.sampler import SamplerOutput
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 from kvpool.engine.waiting_queue import WaitingQueue
@@ -117,6 +122,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens dropped by preemption
         self._seq_ids = itertools.count()
+        self._num_schedules = 0
+        self._preempted_at: dict[int, tuple[int, ...]] = {}  # seq_id -> its last two steps
 
     def add_request(self, request: Request, block_hashes: list) -> Sequence:
         """Queue the first sequence of a new request; `block_hashes` are its prompt's."""
@@ -135,9 +142,8 @@ class Scheduler:
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
     def _requeue(self, seq: Sequence) -> None:
-        """Out of `running`, KV dropped, waiting again."""
+        """Out of `running` (its KV already dropped or swapped out), waiting again."""
         self.running.remove(seq)
-        self.kv.preempt(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
 
@@ -150,6 +156,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
+        self._num_schedules += 1
         output = SchedulerOutput()
         token_budget = self._schedule_running(self.config.max_num_batched_tokens, output)
         if not output.preempted:
@@ -194,14 +201,33 @@ class Scheduler:
                     self.finish(seq, FinishReason.LENGTH)
                     output.length_capped.append(seq)
                     return None
-                victim = self.running[-1]
+                victim = self._pick_victim(seq)
                 self._preempt(victim, output)
                 if victim is seq:
                     return None
 
+    def _pick_victim(self, seq: Sequence) -> Sequence:
+        """The lowest-priority running sequence from `seq` on (those before it are already
+        in the batch), passing over any preempted twice within `HYSTERESIS_STEPS` steps
+        while another is left."""
+        candidates = self.running[self.running.index(seq):]
+        for victim in reversed(candidates):
+            if not self.recently_preempted(victim):
+                return victim
+        return candidates[-1]
+
+    def recently_preempted(self, seq: Sequence) -> bool:
+        """Preempted twice within the last `HYSTERESIS_STEPS` steps (the thrashing guard)."""
+        steps = self._preempted_at.get(seq.seq_id, ())
+        return len(steps) == 2 and self._num_schedules - steps[0] < HYSTERESIS_STEPS
+
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.num_preemptions += 1
-        self.num_recomputed_tokens += seq.num_computed_tokens
+        num_computed = seq.num_computed_tokens
+        if self.kv.preempt(seq) == RECOMPUTE:
+            self.num_recomputed_tokens += num_computed
+        steps = self._preempted_at.get(seq.seq_id, ())
+        self._preempted_at[seq.seq_id] = (*steps[-1:], self._num_schedules)
         self._requeue(seq)
         output.preempted.append(seq)
 
@@ -273,6 +299,7 @@ class Scheduler:
         requeued with its KV dropped (its reserved slots never received KV)."""
         for chunk in batch.chunks:
             if chunk.seq.status is SequenceStatus.RUNNING:
+                self.kv.drop(chunk.seq)
                 self._requeue(chunk.seq)
 
     def finish(self, seq: Sequence, reason: FinishReason,
@@ -285,6 +312,7 @@ class Scheduler:
         else:
             self.waiting.discard(seq)
         self.kv.free(seq)
+        self._preempted_at.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -304,7 +332,8 @@ class Scheduler:
                 assert table.token_ids == seq.token_ids(0, seq.num_computed_tokens)
             else:
                 assert is_waiting and seq.status is SequenceStatus.WAITING
-                assert table.num_blocks == 0 and seq.num_computed_tokens == 0
+                assert table.num_blocks == 0
+                assert seq.num_computed_tokens == 0 or self.kv.is_swapped(seq)
 
 
 def _num_seats(seq: Sequence) -> int:

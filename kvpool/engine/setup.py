@@ -26,12 +26,14 @@ them room; the arena holds KV blocks and nothing else, so every arena byte is a 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from kvpool.attention.selector import get_attention_backend
 from kvpool.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
@@ -104,9 +106,28 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         enable_prefix_caching=config.enable_prefix_caching,
         watermark=config.watermark,
         elastic=_elastic_config(config),
+        host_num_bytes=int(config.swap_space * 2**30),
+        disk=_disk_tier(config, layout, dtype),
     )
     return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
                        max_model_len, kv_memory)
+
+
+def _disk_tier(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> DiskKVTier | None:
+    """The disk tier `config.kv_disk_cache` names, in a namespace of this model and layout:
+    KV computed by other weights, dtypes or shapes is never found."""
+    if config.kv_disk_cache is None:
+        return None
+    model = config.model or "bundled:SmolLM2-135M-Instruct"
+    if os.path.exists(model):
+        model = os.path.realpath(model)
+    namespace = "|".join([
+        f"model={model}", f"load_format={config.load_format}", f"dtype={dtype}",
+        f"seed={config.seed}" if config.load_format == "dummy" else "weights",
+        f"block_size={layout.block_size}", f"kv={layout.dtype}",
+        f"shape={layout.block_shape}",
+    ])
+    return DiskKVTier(config.kv_disk_cache, config.kv_disk_cache_size, layout, namespace)
 
 
 def _model_dtype(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> torch.dtype:

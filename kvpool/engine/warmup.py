@@ -9,6 +9,10 @@ The dummy batch: two sequences whose prompts (of different lengths, so padding i
 and outputs stay inside one block, so no full block is published to the prefix cache. One is
 greedy with logprobs, the other samples with top-k/top-p from its own seed, so the sampler's
 shared random stream is left untouched. The first step prefills both, the second decodes both.
+With a host tier and `preemption_mode="auto"`, the warm-up also measures what the preemption
+policy compares (`kvpool.engine.preemption`): device↔host copy bandwidth over the tier's real
+block copies, and the prefill FLOP rate of one `RATE_PROMPT_TOKENS`-token prompt.
+
 Afterwards `engine.reset_stats()` puts the KV pool back to its start-up state (no cached block,
 free blocks in their first order, elastic segments grown for the batch given back) and zeroes
 every engine, scheduler and pool counter: the engine reads as if nothing ran.
@@ -19,13 +23,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
+from kvpool.engine.model_runner import SequenceChunk
+from kvpool.engine.preemption import TransferRates, measure_copy_bandwidth
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.memory.kv_transfer import copy_block
+from kvpool.model.flops import prefill_flops
 
 if TYPE_CHECKING:
     from kvpool.engine.engine import LLMEngine
 
 MAX_PROMPT_TOKENS = 8
 NUM_OUTPUT_TOKENS = 2  # the first comes from the prefill step, the second from a decode step
+RATE_PROMPT_TOKENS = 256  # the prefill-rate measurement's prompt
+RATE_COPY_BLOCKS = 16  # blocks each way in the copy-bandwidth measurement
 
 
 def warm_up(engine: LLMEngine) -> float:
@@ -48,5 +60,49 @@ def warm_up(engine: LLMEngine) -> float:
         engine.add_request(token_ids, params, request_id=f"kvpool-warmup-{index}")
     while engine.has_unfinished_requests():
         engine.step()
+    policy = engine.scheduler.kv.policy
+    if policy.mode == "auto" and engine.kv_tiers.has_host:
+        policy.rates = measure_transfer_rates(engine)
     engine.reset_stats()
     return time.perf_counter() - start
+
+
+def measure_transfer_rates(engine: LLMEngine) -> TransferRates:
+    """Device→host and host→device bytes/s, and prefill FLOP/s, on this engine's pools and
+    model (with no request running: the blocks it uses are free)."""
+    pool, device, host = engine.kv_memory.pool, engine.kv_memory.kv_cache, engine.kv_tiers.host
+    num_blocks = min(RATE_COPY_BLOCKS, pool.num_allocatable_blocks, host.pool.num_free_blocks)
+    device_ids = pool.allocate(num_blocks)
+    host_ids = host.pool.allocate(num_blocks)
+    bytes_moved = num_blocks * engine.kv_memory.layout.bytes_per_block
+
+    def copy(dst, dst_ids, src, src_ids) -> int:
+        for dst_id, src_id in zip(dst_ids, src_ids, strict=True):
+            copy_block(dst, dst_id, src, src_id, non_blocking=False)
+        return bytes_moved
+
+    to_host = measure_copy_bandwidth(lambda: copy(host.kv_cache, host_ids, device, device_ids))
+    to_device = measure_copy_bandwidth(lambda: copy(device, device_ids, host.kv_cache, host_ids))
+    host.pool.free(host_ids)
+    pool.free(device_ids)
+    return TransferRates(to_host, to_device, _prefill_flops_per_s(engine))
+
+
+def _prefill_flops_per_s(engine: LLMEngine) -> float:
+    """FLOP/s of one prompt's prefill (best of two), on blocks taken from the pool."""
+    layout, pool = engine.kv_memory.layout, engine.kv_memory.pool
+    num_tokens = min(RATE_PROMPT_TOKENS, engine.max_model_len - 1,
+                     pool.num_allocatable_blocks * layout.block_size)
+    block_ids = pool.allocate(layout.num_blocks_for_tokens(num_tokens))
+    vocab_size = engine.model_config.vocab_size
+    chunk = SequenceChunk([(7 * token + 1) % vocab_size for token in range(num_tokens)], 0,
+                          block_ids)
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        engine.runner.execute([chunk])
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        best = min(best, time.perf_counter() - start)
+    pool.free(block_ids)
+    return prefill_flops(engine.model_config, num_tokens) / best

@@ -28,6 +28,12 @@ in a cache level close to the compute); cached blocks are evicted least-recently
 when no fresh block is left, so a prefix stays reusable for as long as memory allows;
 `allocate(n)` is all-or-nothing, and `free`/`retain` validate every id before the pool keeps
 any change, so a failed call never leaves it half-changed.
+
+Tiers below (`kvpool.memory.kv_tiers`) follow the prefix cache through `tier_hooks`: it hears
+of every block published and of every cached block evicted to make room for an allocation,
+while the block's KV is still intact (nothing writes a block between its eviction and the next
+step's copies). The default, `NO_TIER_HOOKS`, does nothing. An elastic shrink's evictions and
+relocations are not reported: they move KV at once, outside a step.
 """
 
 from __future__ import annotations
@@ -35,12 +41,42 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout
-from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache, PrefixMatch
+from kvpool.memory.prefix_cache import (
+    BlockHash,
+    CachedBlock,
+    NullPrefixCache,
+    PrefixCache,
+    PrefixMatch,
+)
 
 NULL_BLOCK_ID = 0
+
+
+class TierHooks(Protocol):
+    """What the tiers below a pool hear of its prefix cache."""
+
+    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """A used block's KV was computed and entered the prefix cache."""
+        ...
+
+    def evicted(self, block_id: int, entry: CachedBlock) -> None:
+        """A cached block is being reused: its KV is intact until the next step's copies."""
+        ...
+
+
+class _NoTierHooks:
+    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        return None
+
+    def evicted(self, block_id: int, entry: CachedBlock) -> None:
+        return None
+
+
+NO_TIER_HOOKS: TierHooks = _NoTierHooks()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +133,7 @@ class BlockPool:
         self._fresh_free_ids: list[int] = list(range(num_blocks, 0, -1))
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
         self._num_filled_slots_in_use = 0
+        self.tier_hooks: TierHooks = NO_TIER_HOOKS
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -176,13 +213,15 @@ class BlockPool:
         self._num_allocations += num_blocks
         return block_ids
 
-    def _take_one(self) -> int:
+    def _take_one(self, report_eviction: bool = True) -> int:
         if self._fresh_free_ids:
             block_id = self._fresh_free_ids.pop()
         else:
             block_id, _ = self._evictable_ids.popitem(last=False)
-            self.prefix_cache.remove(block_id)
+            entry = self.prefix_cache.remove(block_id)
             self._num_evictions += 1
+            if report_eviction and entry is not None:
+                self.tier_hooks.evicted(block_id, entry)
         self._ref_counts[block_id] = 1
         self._num_filled_slots[block_id] = 0
         return block_id
@@ -310,7 +349,10 @@ class BlockPool:
         """
         assert self._ref_counts[block_id] > 0, "only used blocks are published"
         assert len(token_ids) == self.block_size, "only full blocks are published"
-        return self.prefix_cache.insert(block_id, block_hash, token_ids)
+        if not self.prefix_cache.insert(block_id, block_hash, token_ids):
+            return False
+        self.tier_hooks.published(block_id, block_hash, token_ids)
+        return True
 
     # -------------------------------------------------------------- reporting
     def stats(self) -> BlockPoolStats:

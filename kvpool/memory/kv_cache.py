@@ -50,12 +50,15 @@ class KVCache:
         num_blocks: int,
         device: torch.device | str = "cpu",
         storage: torch.Tensor | None = None,
+        pin_memory: bool = False,
     ) -> None:
-        """Allocate the cache (zeroed), or lay it over `storage` (a byte buffer, e.g. an arena
-        range; only the null block is zeroed then)."""
+        """Allocate the cache (zeroed; page-locked host memory with `pin_memory`, for
+        asynchronous copies to and from CUDA), or lay it over `storage` (a byte buffer, e.g. an
+        arena range; only the null block is zeroed then)."""
         shape = layout.tensor_shape(num_blocks)
         if storage is None:
-            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device,
+                                      pin_memory=pin_memory)
         else:
             needed = num_blocks * layout.kv_bytes_per_block
             if storage.dtype != torch.uint8 or storage.numel() < needed:
@@ -65,7 +68,7 @@ class KVCache:
         self.scales: torch.Tensor | None = None
         if layout.is_quantized:  # ones, not zeros: a never-written row decodes to 0 * 1
             self.scales = torch.ones(layout.scale_tensor_shape(num_blocks), dtype=torch.float32,
-                                     device=self.tensor.device)
+                                     device=self.tensor.device, pin_memory=pin_memory)
         layout.check_tensor(self.tensor)
         layout.check_scales(self.scales, num_blocks)
         self.layout = layout

@@ -7,6 +7,8 @@
                   and for int8 / fp8 its scale pool beside it (same block ids)
       pool        BlockPool (static) or ResizableBlockPool (elastic) of block ids
       sizing      StaticKVPool (never resizes) or ElasticKVPool (segments grow and shrink)
+      tiers       KVTiers: the host and disk tiers below the pool, and the copies between
+                  them (`kvpool.memory.kv_tiers`; with neither tier, nothing ever moves)
 
 Everything above it (the KV cache manager, the engine, warm-up, the async engine's snapshots)
 reaches KV memory through this object only: its queries (`max_num_blocks`, `can_ever_fit`),
@@ -26,10 +28,13 @@ from kvpool.memory.arena import Arena
 from kvpool.memory.arena_free_list import align_up
 from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolStats
 from kvpool.memory.block_table import BlockTable
+from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
+from kvpool.memory.host_tier import HostKVTier
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
+from kvpool.memory.kv_tiers import KVTiers
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
 
 
@@ -45,10 +50,13 @@ class KVMemory:
         enable_prefix_caching: bool = True,
         watermark: float = 0.0,
         elastic: ElasticPoolConfig | None = None,
+        host_num_bytes: int = 0,
+        disk: DiskKVTier | None = None,
     ) -> None:
         """A static pool, or an elastic one when `elastic` is given; `watermark` is the
         fraction of the largest pool that admission keeps free (and, for an elastic pool, its
-        low watermark: it grows when fewer blocks are allocatable)."""
+        low watermark: it grows when fewer blocks are allocatable). `host_num_bytes` of host
+        memory make a host tier (page-locked on CUDA); `disk` is a disk tier."""
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
@@ -62,12 +70,15 @@ class KVMemory:
             self.kv_cache = KVCache(layout, num_rows, device, storage)
             self.pool: BlockPool = BlockPool(num_blocks, layout, enable_prefix_caching)
             self.sizing: KVPool = StaticKVPool(self.pool, self.kv_cache, self.arena)
-            return
-        capacity_blocks = self.arena.num_reserved_bytes // bytes_per_block
-        self.kv_cache = KVCache(layout, capacity_blocks, device, self.arena.buffer)
-        self.pool = ResizableBlockPool(capacity_blocks, layout, enable_prefix_caching)
-        elastic = dataclasses.replace(elastic, low_watermark_blocks=self.watermark_blocks)
-        self.sizing = ElasticKVPool(self.pool, self.kv_cache, self.arena, elastic)
+        else:
+            capacity_blocks = self.arena.num_reserved_bytes // bytes_per_block
+            self.kv_cache = KVCache(layout, capacity_blocks, device, self.arena.buffer)
+            self.pool = ResizableBlockPool(capacity_blocks, layout, enable_prefix_caching)
+            elastic = dataclasses.replace(elastic, low_watermark_blocks=self.watermark_blocks)
+            self.sizing = ElasticKVPool(self.pool, self.kv_cache, self.arena, elastic)
+        host = HostKVTier.for_budget(layout, host_num_bytes,
+                                     pin_memory=torch.device(device).type == "cuda")
+        self.tiers = KVTiers(self.pool, self.kv_cache, host, disk)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -94,7 +105,9 @@ class KVMemory:
         self.sizing.maybe_resize(now, block_tables)
 
     def reset(self) -> None:
-        """With no block used: back to the start-up state, every counter zero."""
+        """With no block used: back to the start-up state, every counter zero (the disk tier
+        keeps its files)."""
+        self.tiers.reset()
         self.sizing.reset()
 
     # -------------------------------------------------------------- reporting
@@ -105,8 +118,10 @@ class KVMemory:
         """Online blocks, segments, grows, shrinks, migrations, arena bytes."""
         return self.sizing.stats()
 
-    def check_invariants(self) -> None:
-        """Assert every invariant of the pool, its sizing and its tensors (for tests)."""
+    def check_invariants(self, num_swapped_host_blocks: int = 0) -> None:
+        """Assert every invariant of the pool, its sizing, its tensors and the tiers below
+        (for tests); `num_swapped_host_blocks`: the host blocks swapped sequences own."""
+        self.tiers.check_invariants(num_swapped_host_blocks)
         self.layout.check_tensor(self.kv_cache.tensor)
         self.layout.check_scales(self.kv_cache.scales, self.kv_cache.num_blocks)
         assert not self.kv_cache.tensor[NULL_BLOCK_ID].any(), "the null block was written"

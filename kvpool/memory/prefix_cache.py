@@ -153,6 +153,10 @@ class PrefixCache:
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._entry_by_block_id
 
+    def entry(self, block_id: int) -> CachedBlock | None:
+        """What the cache holds for `block_id`, or None."""
+        return self._entry_by_block_id.get(block_id)
+
 
 class NullPrefixCache(PrefixCache):
     """Prefix caching switched off: stores nothing, finds nothing."""

@@ -79,7 +79,7 @@ class ResizableBlockPool(BlockPool):
             raise InvalidBlockError("relocate_blocks got a block id twice")
         if len(block_ids) > self.num_allocatable_blocks:
             raise OutOfBlocksError(len(block_ids), self.num_free_blocks, self.num_cached_blocks)
-        old_to_new = {old_id: self._take_one() for old_id in block_ids}
+        old_to_new = {old_id: self._take_one(report_eviction=False) for old_id in block_ids}
         for old_id, new_id in old_to_new.items():
             self._ref_counts[new_id] = self._ref_counts[old_id]
             self._num_filled_slots[new_id] = self._num_filled_slots[old_id]

@@ -16,6 +16,14 @@ latency histograms are observed by the server as each request finishes. Every ap
                kvpool:request_success_total{finished_reason}
     histograms kvpool:time_to_first_token_seconds, kvpool:time_per_output_token_seconds,
                kvpool:e2e_request_latency_seconds
+    tiers      kvpool:cpu_cache_usage_perc (vLLM V0's name: the host tier's used fraction),
+               kvpool:host_{num_blocks,num_used_blocks,num_cached_blocks},
+               kvpool:disk_cache_{bytes,capacity_bytes,files,enabled};
+               kvpool:num_{swap,recompute}_preemptions_total,
+               kvpool:swapped_{out,in}_{blocks,bytes}_total, kvpool:recompute_tokens_avoided_total,
+               kvpool:kv_spilled_blocks_total, kvpool:kv_reloaded_blocks_total{source},
+               kvpool:cached_tokens_total{source} (SGLang's: device, host, disk),
+               kvpool:disk_cache_{stored_blocks,rejected_files,evicted_files,write_errors}_total
     info       kvpool:cache_config_info{block_size, cache_dtype, num_gpu_blocks,
                bytes_per_block} = 1 (vLLM's cache_config_info; cache_dtype is the KV storage
                dtype, e.g. "int8" or "float8_e4m3fn")
@@ -29,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.engine.async_engine import AsyncLLMEngine
+from kvpool.engine.async_engine import AsyncLLMEngine, EngineSnapshot
 from kvpool.engine.outputs import RequestOutput
 from kvpool.memory.block_pool import BlockPoolStats
 
@@ -94,7 +102,71 @@ class EngineCollector(Collector):
         ]
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, name, documentation, value)
+        yield from self._tier_metrics(snapshot)
         yield self._cache_config(snapshot.memory)
+
+    def _tier_metrics(self, snapshot: EngineSnapshot) -> Iterator[Metric]:
+        """The host and disk tiers, swap preemption, and prompt tokens served per tier."""
+        stats, tiers = snapshot.stats, snapshot.kv_tiers
+        host, disk = tiers.host, tiers.disk
+        gauges = []
+        if host is not None:
+            gauges += [("cpu_cache_usage_perc", "Fraction of the host tier's blocks in use (0 to "
+                        "1).", host.num_used_blocks / host.num_blocks),
+                       ("host_num_blocks", "KV blocks in the host tier.", host.num_blocks),
+                       ("host_num_used_blocks", "Host blocks of swapped-out sequences (or "
+                        "mid-copy).", host.num_used_blocks),
+                       ("host_num_cached_blocks", "Host blocks keeping a spilled prefix.",
+                        host.num_cached_blocks)]
+        if disk is not None:
+            gauges += [("disk_cache_bytes", "Bytes of KV files in the disk tier.", disk.num_bytes),
+                       ("disk_cache_capacity_bytes", "The disk tier's byte budget.",
+                        disk.capacity_bytes),
+                       ("disk_cache_files", "KV block files in the disk tier.", disk.num_files),
+                       ("disk_cache_enabled", "1 while the disk tier works, 0 once a write "
+                        "failed (disk full) and it switched itself off.", int(disk.is_enabled))]
+        for name, documentation, value in gauges:
+            yield self._family(GaugeMetricFamily, name, documentation, value)
+        counters = [
+            ("num_swap_preemptions", "Preemptions whose KV went to the host tier.",
+             stats.num_swap_preemptions),
+            ("num_recompute_preemptions", "Preemptions whose KV was dropped.",
+             stats.num_recompute_preemptions),
+            ("swapped_out_blocks", "KV blocks swapped out to the host tier.",
+             stats.num_swapped_out_blocks),
+            ("swapped_out_bytes", "Bytes swapped out to the host tier.",
+             stats.num_swapped_out_bytes),
+            ("swapped_in_blocks", "KV blocks swapped back in.", stats.num_swapped_in_blocks),
+            ("swapped_in_bytes", "Bytes swapped back in.", stats.num_swapped_in_bytes),
+            ("recompute_tokens_avoided", "Computed tokens swapped sequences resumed with.",
+             stats.num_recompute_tokens_avoided),
+            ("kv_spilled_blocks", "Cached blocks the device evicted into the host tier.",
+             tiers.num_spilled_blocks),
+        ]
+        if disk is not None:
+            counters += [
+                ("disk_cache_stored_blocks", "Blocks written to the disk tier.",
+                 disk.num_stored_blocks),
+                ("disk_cache_rejected_files", "Disk files found truncated, corrupt, foreign or "
+                 "holding other tokens: skipped and deleted, never served.",
+                 disk.num_rejected_files),
+                ("disk_cache_evicted_files", "Disk files the LRU removed to stay in budget.",
+                 disk.num_evicted_files),
+                ("disk_cache_write_errors", "Disk tier writes that failed.", disk.num_write_errors),
+            ]
+        for name, documentation, value in counters:
+            yield self._family(CounterMetricFamily, name, documentation, value)
+        yield self._by_source("cached_tokens", "Prompt tokens served by the prefix cache of each "
+                              "tier (device, host, disk).", stats.cached_tokens_by_tier)
+        yield self._by_source("kv_reloaded_blocks", "Prefix blocks copied up to the device, by "
+                              "source tier.", tiers.num_reloaded_blocks)
+
+    def _by_source(self, name: str, documentation: str, values: dict[str, int]) -> Metric:
+        family = CounterMetricFamily(f"kvpool:{name}", documentation,
+                                     labels=["model_name", "source"])
+        for source, value in values.items():
+            family.add_metric([self.model_name, source], value)
+        return family
 
     def _cache_config(self, memory: BlockPoolStats) -> Metric:
         labels = {"block_size": memory.block_size, "cache_dtype": memory.kv_cache_dtype,

@@ -76,8 +76,9 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/kv/stats", responses=_ERRORS)
 async def kv_stats(request: Request) -> dict[str, Any]:
-    """The block pool's snapshot (as of the engine's latest iteration), request counts, and
-    the KV memory behind the pool (online blocks, segments, arena)."""
+    """The block pool's snapshot (as of the engine's latest iteration), request counts, the
+    KV memory behind the pool (online blocks, segments, arena), and the tiers below it (host,
+    disk; swap preemption; prompt tokens served per tier)."""
     snapshot = _state(request).engine.snapshot()
     return {
         **dataclasses.asdict(snapshot.memory),
@@ -85,7 +86,16 @@ async def kv_stats(request: Request) -> dict[str, Any]:
         "num_requests_waiting": snapshot.num_requests_waiting,
         "num_preemptions": snapshot.stats.num_preemptions,
         "kv_pool": dataclasses.asdict(snapshot.kv_pool),
+        "kv_tiers": {
+            **dataclasses.asdict(snapshot.kv_tiers),
+            **{name: getattr(snapshot.stats, name) for name in _SWAP_STATS},
+        },
     }
+
+
+_SWAP_STATS = ("num_recompute_preemptions", "num_swap_preemptions", "num_swapped_out_blocks",
+               "num_swapped_out_bytes", "num_swapped_in_blocks", "num_swapped_in_bytes",
+               "num_recompute_tokens_avoided", "cached_tokens_by_tier")
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)

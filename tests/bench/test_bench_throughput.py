@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from kvpool.bench.roofline import layer_weights, workload_flops
+from kvpool.bench.roofline import workload_flops
 from kvpool.bench.throughput import Workload
 from kvpool.bench.vllm_baseline import compare_tokens, vllm_kv_cache_gib
 from kvpool.cli import main
 from kvpool.model.config import ModelConfig
+from kvpool.model.flops import layer_weights
 
 TINY = ["--model", "tiny", "--load-format", "dummy", "--dtype", "float32"]
 
@@ -55,6 +56,41 @@ def test_throughput_table_names_each_run_and_splits_model_time(capsys):
     table = capsys.readouterr().out
     assert "kvpool output tok/s" in table and "single-request decode, ms/token" in table
     assert "in steps with prefill chunks" in table and "in decode-only steps" in table
+
+
+# The lead adds swap once the engine wires it, e.g.
+# (["recompute", "swap"], ["--swap-space", "0.01"]).
+@pytest.mark.parametrize("modes, tier_flags", [(["recompute"], [])])
+def test_throughput_repeats_every_run_per_preemption_mode(modes, tier_flags, tmp_path, capsys):
+    path = tmp_path / "report.json"
+    argv = [
+        "bench", "throughput", *TINY, "--num-prompts", "6", "--input-len", "4", "12",
+        "--output-len", "20", "30", "--latency-tokens", "2", "--num-gpu-blocks", "8",
+        "--preemption-modes", *modes, *tier_flags, "--output-json", str(path),
+    ]  # fmt: skip  8 blocks of 16 tokens hold 3 of the 6 requests: preemptions
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "preemption modes" in table and "over recompute" in table
+    report = json.loads(path.read_text())
+    assert report["preemption_modes"] == modes
+    assert [result["preemption_mode"] for result in report["dtypes"]] == modes
+    for result in report["dtypes"]:
+        run = result["kvpool"]["runs"]["6"]
+        assert run["num_preemptions"] > 0
+        assert run["num_preemptions"] == (run["num_recompute_preemptions"]
+                                          + run["num_swap_preemptions"])
+        assert set(run["cached_tokens_by_tier"]) <= {"device", "host", "disk"}
+        if result["preemption_mode"] == "recompute":
+            assert run["num_swap_preemptions"] == run["num_swapped_out_bytes"] == 0
+            assert result["comparison"]["6"]["over_recompute"] == 1.0
+        else:
+            assert result["comparison"]["6"]["over_recompute"] > 0
+
+
+def test_swap_without_a_host_tier_fails_before_running_anything(capsys):
+    argv = ["bench", "throughput", *TINY, "--preemption-modes", "recompute", "swap"]
+    assert main(argv) == 2  # the config's ValueError, in one line
+    assert capsys.readouterr().out == ""
 
 
 def test_the_vllm_baseline_without_its_venv_fails_before_running_anything(tmp_path, capsys):

@@ -27,6 +27,19 @@ def test_kv_pool_flags_reach_the_config():
     assert engine_config_from_args(parser.parse_args([])).kv_pool == "static"
 
 
+def test_kv_tier_flags_reach_the_config(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--swap-space", "1.5", "--preemption-mode", "swap",
+                              "--kv-disk-cache", str(tmp_path), "--kv-disk-cache-size", "2GiB"])
+    config = engine_config_from_args(args)
+    assert (config.swap_space, config.preemption_mode) == (1.5, "swap")
+    assert (config.kv_disk_cache, config.kv_disk_cache_size) == (str(tmp_path), 2 << 30)
+    defaults = engine_config_from_args(parser.parse_args([]))
+    assert (defaults.swap_space, defaults.preemption_mode, defaults.kv_disk_cache) == (
+        0.0, "auto", None)
+
+
 def test_engine_flags_have_vllm_names_and_the_model_can_be_positional():
     parser = argparse.ArgumentParser()
     add_engine_args(parser, model_positional=True)

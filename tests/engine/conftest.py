@@ -42,8 +42,8 @@ PROMPTS = [
 
 @pytest.fixture
 def make_engine(smollm2) -> Iterator[Callable[..., LLMEngine]]:
-    """Build engines over the shared model; after the test, every engine's pool must be back
-    to all blocks free or cached (no leaks)."""
+    """Build engines over the shared model; after the test, every engine's pool, host tier
+    and disk tier must be back to blocks free or cached (no leaks), their invariants holding."""
     engines: list[LLMEngine] = []
 
     def factory(**options) -> LLMEngine:
@@ -56,7 +56,10 @@ def make_engine(smollm2) -> Iterator[Callable[..., LLMEngine]]:
     for engine in engines:
         stats = engine.memory_stats()
         assert stats.num_used_blocks == 0, f"{stats.num_used_blocks} blocks leaked"
+        host = engine.kv_tier_stats().host
+        assert host is None or host.num_used_blocks == 0, "host blocks leaked"
         engine.check_invariants()
+        engine.close()
 
 
 def run_all(engine: LLMEngine, prompts, params=GREEDY) -> list[RequestOutput]:

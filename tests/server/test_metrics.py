@@ -89,3 +89,38 @@ def test_a_quantized_pool_reports_its_kv_dtype(make_server) -> None:
     info = ("kvpool:cache_config_info{block_size=16}{bytes_per_block="
             f"{layout.bytes_per_block}}}{{cache_dtype=int8}}{{num_gpu_blocks=128}}")
     assert scrape(server)[info] == 1
+
+
+TIER_GAUGES = ("cpu_cache_usage_perc", "host_num_blocks", "host_num_used_blocks",
+               "host_num_cached_blocks", "disk_cache_bytes", "disk_cache_capacity_bytes",
+               "disk_cache_files", "disk_cache_enabled")
+TIER_COUNTERS = ("num_swap_preemptions", "num_recompute_preemptions", "swapped_out_blocks",
+                 "swapped_out_bytes", "swapped_in_blocks", "swapped_in_bytes",
+                 "recompute_tokens_avoided", "kv_spilled_blocks", "disk_cache_stored_blocks",
+                 "disk_cache_rejected_files", "disk_cache_evicted_files",
+                 "disk_cache_write_errors")
+
+
+def test_tier_metrics_agree_with_kv_stats(make_server, tmp_path) -> None:
+    """A pressured pool with a host tier (swap) and a disk tier: the swaps, spills and
+    per-tier cached tokens on /metrics are /v1/kv/stats' figures."""
+    server = make_server(num_gpu_blocks=12, swap_space=0.01, preemption_mode="swap",
+                         kv_disk_cache=str(tmp_path))
+    client = server.client()
+    for index in range(2):  # the second asks for the first's prompt: a prefix hit
+        client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT + str(index)] * 3,
+                                  max_tokens=24, extra_body={"ignore_eos": True})
+    tiers = server.wait_until_idle()["kv_tiers"]
+    samples = scrape(server)
+    for name in TIER_GAUGES:
+        assert f"kvpool:{name}" in samples
+    for name in TIER_COUNTERS:
+        assert f"kvpool:{name}_total" in samples
+    assert tiers["num_swap_preemptions"] > 0
+    assert samples["kvpool:num_swap_preemptions_total"] == tiers["num_swap_preemptions"]
+    assert samples["kvpool:swapped_out_bytes_total"] == tiers["num_swapped_out_bytes"] > 0
+    assert samples["kvpool:host_num_blocks"] == tiers["host"]["num_blocks"]
+    for source, value in tiers["cached_tokens_by_tier"].items():
+        assert samples[f"kvpool:cached_tokens_total{{source={source}}}"] == value
+    assert sum(tiers["cached_tokens_by_tier"].values()) > 0
+    assert samples["kvpool:disk_cache_enabled"] == 1

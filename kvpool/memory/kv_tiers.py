@@ -1,0 +1,297 @@
+"""The KV tiers below the device pool: the host tier, the disk tier, and what moves between.
+
+    device pool ──evict──▶ host tier ──evict──▶ disk tier      (spill: cached prefix blocks)
+        ▲   │                  │                    ▲
+        │   └──publish─────────┼──write-through─────┘          (full blocks, after the step)
+        └──────reload──────────┴────────────────────┘          (a prefix hit below the device)
+    device pool ◀──swap-in── host tier ◀──swap-out── device    (a preempted sequence's blocks)
+
+- Spill: a cached block the device evicts (`evicted`, a `TierHooks` call) is copied to a host
+  block that joins the host's prefix cache under the same hash; a block the host evicts in turn
+  goes to disk unless the disk already has it.
+- Write-through: every block the device publishes is written to disk after the step that
+  computed it (`after_step`), by the disk tier's writer thread, so a restart finds it; at a
+  clean shutdown (`close`) spilled host blocks the disk lacks follow.
+- Reload: a prefix lookup that ends on the device walks on (`find_below`): host, then disk,
+  block by block, while the hash chain matches; disk files are read and validated
+  (`validate`) before the hit is counted; then `reload` queues the copies into new device
+  blocks.
+- Swap: `swap_out` copies a sequence's blocks to host blocks it owns; `swap_in` copies them
+  back into new device blocks and frees them.
+
+Every key is the salted chained hash (`kvpool.memory.prefix_cache`), so a tenant's blocks are
+found only under its own salt, in every tier. Copies are queued (`kvpool.memory.kv_transfer`)
+and run by `before_step`, before the step's model.
+
+Invariants (`check_invariants`): the host tier's and disk tier's own; the host blocks held
+for copies are exactly those the transfer queue will release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.disk_tier import DiskBlock, DiskKVTier, DiskTierStats
+from kvpool.memory.host_tier import HostKVTier, HostTierStats
+from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.kv_transfer import KVTransfers
+from kvpool.memory.prefix_cache import BlockHash, CachedBlock
+
+TIERS = ("device", "host", "disk")
+
+
+@dataclass(slots=True)
+class TierMatch:
+    """Blocks of a prefix found below the device, in order: a host block id, or the hash of a
+    disk block (a `DiskBlock` once `validate` read it)."""
+
+    sources: list[int | BlockHash | DiskBlock] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.sources)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierStats:
+    """Counters over the tiers' life (since the engine's last reset), and their snapshots."""
+
+    host: HostTierStats | None
+    disk: DiskTierStats | None
+    num_spilled_blocks: int  # device evictions copied to the host tier
+    num_dropped_spills: int  # device evictions the host had no room for
+    num_reloaded_blocks: dict[str, int]  # prefix blocks copied up, by source tier
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    bytes_per_block: int
+
+
+class KVTiers:
+    """Spill, write-through, reload and swap between a device pool and the tiers below it."""
+
+    def __init__(self, device_pool: BlockPool, device_cache: KVCache,
+                 host: HostKVTier | None = None, disk: DiskKVTier | None = None) -> None:
+        self.device_pool = device_pool
+        self.host = host
+        self.disk = disk
+        self.bytes_per_block = device_pool.layout.bytes_per_block
+        self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
+                                     host.pool.free if host else _nothing_to_release)
+        self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
+        if host is not None or disk is not None:
+            device_pool.tier_hooks = self
+        if host is not None and disk is not None:
+            host.pool.tier_hooks = _HostToDisk(host, disk)
+        self.reset_counters()
+
+    @property
+    def has_host(self) -> bool:
+        return self.host is not None
+
+    def reset_counters(self) -> None:
+        self._num_spilled = 0
+        self._num_dropped_spills = 0
+        self._num_reloaded = dict.fromkeys(TIERS[1:], 0)
+        self._num_swapped_out = 0
+        self._num_swapped_in = 0
+
+    # ------------------------------------------------------- device pool hooks
+    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        if self.disk is not None:
+            self._to_write.append((block_id, block_hash, tuple(token_ids)))
+
+    def evicted(self, block_id: int, entry: CachedBlock) -> None:
+        """Spill the evicted block to the host tier (module docstring)."""
+        host = self.host
+        if host is None:
+            return
+        cached_id = host.pool.prefix_cache.lookup(entry.block_hash, entry.token_ids)
+        if cached_id is not None:  # already spilled once: only its recency changes
+            if host.pool.is_evictable(cached_id):
+                host.pool.retain([cached_id])
+                host.pool.free([cached_id])
+            return
+        if host.pool.num_allocatable_blocks == 0:
+            self._num_dropped_spills += 1
+            return
+        [host_id] = host.pool.allocate(1)
+        host.pool.publish(host_id, entry.block_hash, entry.token_ids)
+        self.transfers.device_to_host([block_id], [host_id], hold=True)
+        self._num_spilled += 1
+
+    # ---------------------------------------------------------------- reload
+    def find_below(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                   first_block: int, num_blocks: int) -> TierMatch:
+        """Blocks `first_block .. num_blocks - 1` of a prefix found in the host tier, then on
+        disk, while the chain holds; an index lookup (no I/O, nothing taken)."""
+        match = TierMatch()
+        size = self.device_pool.block_size
+        host_cache = self.host.pool.prefix_cache if self.host else None
+        for index in range(first_block, num_blocks):
+            block_hash = block_hashes[index]
+            host_id = None
+            if host_cache is not None:
+                host_id = host_cache.lookup(block_hash, token_ids[index * size:(index + 1) * size])
+            if host_id is not None:
+                match.sources.append(host_id)
+            elif self.disk is not None and self.disk.contains(block_hash):
+                match.sources.append(block_hash)
+            else:
+                break
+        return match
+
+    def validate(self, match: TierMatch, token_ids: Sequence[int], first_block: int) -> None:
+        """Read the match's disk blocks; the match ends before the first that fails."""
+        size = self.device_pool.block_size
+        for offset, source in enumerate(match.sources):
+            if not isinstance(source, bytes):
+                continue
+            index = first_block + offset
+            block = self.disk.load(source, token_ids[index * size:(index + 1) * size])
+            if block is None:
+                del match.sources[offset:]
+                return
+            match.sources[offset] = block
+
+    def hold(self, match: TierMatch) -> None:
+        """Take a reference on the match's host blocks, so that nothing evicts them while the
+        device blocks they are copied into are allocated (which may spill to the host)."""
+        host_ids = [source for source in match.sources if isinstance(source, int)]
+        if host_ids:
+            self.host.pool.retain(host_ids)
+
+    def reload(self, match: TierMatch, device_ids: Sequence[int]) -> dict[str, int]:
+        """Queue the copies of a validated, held match into `device_ids` (new device blocks;
+        the hold passes to the queue); returns the blocks per source tier."""
+        counts = dict.fromkeys(TIERS[1:], 0)
+        for source, device_id in zip(match.sources, device_ids, strict=True):
+            if isinstance(source, DiskBlock):
+                self.transfers.disk_to_device(source.kv, source.scales, device_id)
+                counts["disk"] += 1
+            else:
+                self.transfers.host_to_device([source], [device_id])
+                counts["host"] += 1
+        for tier, count in counts.items():
+            self._num_reloaded[tier] += count
+        return counts
+
+    # ------------------------------------------------------------------ swap
+    def swap_out(self, device_ids: Sequence[int]) -> list[int] | None:
+        """Host blocks holding a copy of `device_ids` (queued), owned by the caller; None if
+        the host tier has no room for all of them."""
+        if self.host is None or self.host.pool.num_allocatable_blocks < len(device_ids):
+            return None
+        host_ids = self.host.pool.allocate(len(device_ids))
+        self.transfers.device_to_host(device_ids, host_ids)
+        self._num_swapped_out += len(device_ids)
+        return host_ids
+
+    def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
+        """Queue the copies back; the caller's references on `host_ids` pass to the queue,
+        which frees them once copied."""
+        self.transfers.host_to_device(host_ids, device_ids)
+        self._num_swapped_in += len(host_ids)
+
+    def free_swapped(self, host_ids: Sequence[int]) -> None:
+        """A swapped sequence ended without resuming (aborted): its host blocks go back."""
+        self.host.pool.free(list(reversed(host_ids)))
+
+    # ------------------------------------------------------------- the step
+    def before_step(self, written_block_ids: Callable[[], Collection[int]] = frozenset) -> None:
+        """Run the queued copies (before the step's model); `written_block_ids()`: the device
+        blocks the step writes (`KVTransfers.run`)."""
+        self.transfers.run(written_block_ids)
+
+    def after_step(self) -> None:
+        """Write the blocks the step published through to disk (off the critical path: the
+        disk tier's writer thread does the I/O)."""
+        if not self._to_write:
+            return
+        pending, self._to_write = self._to_write, []
+        pending = [item for item in pending if not self.disk.contains(item[1])]
+        if not pending or not self.disk.stats().is_enabled:
+            return
+        snapshot = self.transfers.snapshot([block_id for block_id, _, _ in pending])
+        for row, (_, block_hash, token_ids) in enumerate(pending):
+            scales = None if snapshot.scales is None else snapshot.scales[row]
+            self.disk.store(block_hash, token_ids, snapshot.kv[row], scales, snapshot.ready)
+
+    def close(self) -> None:
+        """Clean shutdown: finish every copy, write spilled host blocks the disk lacks, wait
+        for the disk's writes."""
+        self.transfers.synchronize()
+        if self.disk is None:
+            return
+        self.after_step()
+        if self.host is not None:
+            for host_id in self.host.pool.evictable_block_ids():
+                _write_host_block(self.host, host_id, self.disk)
+        self.disk.close()
+
+    def reset(self) -> None:
+        """With no sequence swapped: spilled host blocks dropped, counters zero (the disk
+        keeps its files: surviving is its point)."""
+        self.transfers.synchronize()
+        self._to_write.clear()
+        if self.host is not None:
+            self.host.reset()
+        self.reset_counters()
+
+    # -------------------------------------------------------------- reporting
+    def stats(self) -> KVTierStats:
+        return KVTierStats(
+            host=self.host.stats() if self.host else None,
+            disk=self.disk.stats() if self.disk else None,
+            num_spilled_blocks=self._num_spilled,
+            num_dropped_spills=self._num_dropped_spills,
+            num_reloaded_blocks=dict(self._num_reloaded),
+            num_swapped_out_blocks=self._num_swapped_out,
+            num_swapped_in_blocks=self._num_swapped_in,
+            bytes_per_block=self.bytes_per_block,
+        )
+
+    def check_invariants(self, num_swapped_host_blocks: int = 0) -> None:
+        """Assert the tiers' invariants; `num_swapped_host_blocks` is what swapped sequences
+        hold, so that at quiescence the host's used blocks are exactly those."""
+        if self.host is not None:
+            self.host.check_invariants()
+            held = self.transfers.num_held_host_blocks
+            assert self.host.pool.num_used_blocks == num_swapped_host_blocks + held, (
+                "host blocks leaked")
+        if self.disk is not None:
+            self.disk.flush()
+            self.disk.check_invariants()
+
+
+class _HostToDisk:
+    """The host pool's hooks: a spilled block the host evicts goes to disk if not there."""
+
+    def __init__(self, host: HostKVTier, disk: DiskKVTier) -> None:
+        self.host = host
+        self.disk = disk
+
+    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        return None
+
+    def evicted(self, block_id: int, entry: CachedBlock) -> None:
+        if not self.disk.contains(entry.block_hash):
+            _write_host_block(self.host, block_id, self.disk, entry)
+
+
+def _write_host_block(host: HostKVTier, host_id: int, disk: DiskKVTier,
+                      entry: CachedBlock | None = None) -> None:
+    """Hand a copy of a cached host block to the disk tier (the block itself may be reused
+    as soon as this returns)."""
+    if entry is None:
+        entry = host.pool.prefix_cache.entry(host_id)
+    if entry is None or disk.contains(entry.block_hash):
+        return
+    cache = host.kv_cache
+    scales = None if cache.scales is None else cache.scales[host_id].clone()
+    disk.store(entry.block_hash, entry.token_ids, cache.tensor[host_id].clone(), scales)
+
+
+def _nothing_to_release(host_ids: Sequence[int]) -> None:
+    raise AssertionError("no host tier holds blocks")
