@@ -32,11 +32,11 @@ import time
 import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 
 import torch
 
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine_stats import EngineStats, swap_stats
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.model_runner import ModelRunner
@@ -57,28 +57,6 @@ from kvpool.memory.prefix_cache import SaltKey, hash_full_blocks, salt_key
 from kvpool.model.flops import prefill_flops
 
 PromptInput = str | SequenceOf[int] | dict
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Counters over the engine's life, for reports and metrics."""
-
-    num_steps: int
-    num_preemptions: int
-    num_recomputed_tokens: int
-    peak_used_blocks: int
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    phase_seconds: dict[str, float]  # wall time per step phase: schedule, model, sample, output
-    decode_only_model_seconds: float  # the part of phase "model" in steps with no prefill chunk
-    num_recompute_preemptions: int  # preemptions whose KV was dropped
-    num_swap_preemptions: int  # preemptions whose KV went to the host tier
-    num_swapped_out_blocks: int
-    num_swapped_out_bytes: int
-    num_swapped_in_blocks: int
-    num_swapped_in_bytes: int
-    num_recompute_tokens_avoided: int  # computed tokens swapped sequences resumed with
-    cached_tokens_by_tier: dict[str, int]  # prompt tokens served from "device", "host", "disk"
 
 
 class LLMEngine:
@@ -231,7 +209,7 @@ class LLMEngine:
     def _execute_and_sample(self, batch: SchedulerOutput, clock: _PhaseClock) -> SamplerOutput:
         """The tiers' copies, the model and the sampler; if any raises, the step is rolled
         back first."""
-        self.kv_tiers.before_step(_WrittenBlocks(batch))
+        self.kv_tiers.before_step(batch.written_block_ids)
         if not batch.chunks:
             return SamplerOutput(token_ids=[], logprobs=[])
         self._peak_used_blocks = max(self._peak_used_blocks,
@@ -306,22 +284,8 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             phase_seconds=dict(self._phase_seconds),
             decode_only_model_seconds=self._decode_only_model_seconds,
-            **self._swap_stats(),
+            **swap_stats(self.scheduler.kv.counters, self.kv_memory.layout.bytes_per_block),
         )
-
-    def _swap_stats(self) -> dict:
-        counters = self.scheduler.kv.counters
-        bytes_per_block = self.kv_memory.layout.bytes_per_block
-        return {
-            "num_recompute_preemptions": counters.num_recompute_preemptions,
-            "num_swap_preemptions": counters.num_swap_preemptions,
-            "num_swapped_out_blocks": counters.num_swapped_out_blocks,
-            "num_swapped_out_bytes": counters.num_swapped_out_blocks * bytes_per_block,
-            "num_swapped_in_blocks": counters.num_swapped_in_blocks,
-            "num_swapped_in_bytes": counters.num_swapped_in_blocks * bytes_per_block,
-            "num_recompute_tokens_avoided": counters.num_recompute_tokens_avoided,
-            "cached_tokens_by_tier": dict(counters.cached_tokens_by_tier),
-        }
 
     def kv_tier_stats(self) -> KVTierStats:
         """The host and disk tiers: their blocks, spills, reloads and swaps."""
@@ -337,23 +301,6 @@ class LLMEngine:
         sequences = [seq for request in self.requests.values() for seq in request.sequences]
         self.scheduler.check_invariants(sequences)
         self.kv_memory.check_invariants(self.scheduler.kv.num_swapped_host_blocks)
-
-
-class _WrittenBlocks:
-    """The device blocks a step writes (its new tokens' slots and its block copies'
-    destinations), worked out only if asked (the tiers ask on CUDA only)."""
-
-    def __init__(self, batch: SchedulerOutput) -> None:
-        self.batch = batch
-
-    def __call__(self) -> set[int]:
-        written = {copy.dst_block_id for copy in self.batch.block_copies}
-        for chunk in self.batch.chunks:
-            size = chunk.seq.block_table.block_size
-            first = chunk.num_computed_tokens // size
-            last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // size
-            written.update(chunk.block_ids[first:last + 1])
-        return written
 
 
 class _PhaseClock:

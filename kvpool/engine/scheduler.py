@@ -104,6 +104,17 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     length_capped: list[Sequence] = field(default_factory=list)  # outgrew the whole pool
 
+    def written_block_ids(self) -> set[int]:
+        """The device blocks the step writes: its new tokens' slots' blocks and its block
+        copies' destinations (asked by the KV tiers on CUDA, to order their copies)."""
+        written = {copy.dst_block_id for copy in self.block_copies}
+        for chunk in self.chunks:
+            size = chunk.seq.block_table.block_size
+            first = chunk.num_computed_tokens // size
+            last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // size
+            written.update(chunk.block_ids[first : last + 1])
+        return written
+
     def sampled_sequences(self) -> list[tuple[Sequence, int]]:
         """(chunk's sequence, completion index) per logits row, in row order; an index not yet
         among the request's sequences is a sibling `update` forks."""

@@ -41,42 +41,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout
-from kvpool.memory.prefix_cache import (
-    BlockHash,
-    CachedBlock,
-    NullPrefixCache,
-    PrefixCache,
-    PrefixMatch,
-)
+from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache, PrefixMatch
+from kvpool.memory.tier_hooks import NO_TIER_HOOKS, TierHooks
 
 NULL_BLOCK_ID = 0
 
 
-class TierHooks(Protocol):
-    """What the tiers below a pool hear of its prefix cache."""
-
-    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """A used block's KV was computed and entered the prefix cache."""
-        ...
-
-    def evicted(self, block_id: int, entry: CachedBlock) -> None:
-        """A cached block is being reused: its KV is intact until the next step's copies."""
-        ...
-
-
-class _NoTierHooks:
-    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        return None
-
-    def evicted(self, block_id: int, entry: CachedBlock) -> None:
-        return None
-
-
-NO_TIER_HOOKS: TierHooks = _NoTierHooks()
 
 
 @dataclass(frozen=True, slots=True)
