@@ -4,8 +4,8 @@ preemption, and the tiers below the device pool.
 The scheduler decides *who* runs; this class decides whether their blocks fit and takes them,
 and where a preempted sequence's KV goes: dropped (recompute), or copied to host blocks the
 sequence owns while it waits (swap; `kvpool.engine.preemption` chooses). A swapped sequence
-keeps its `num_computed_tokens`; re-admitting it copies its blocks back and it goes on where
-it stopped.
+keeps its `num_computed_tokens`; re-admitting it retakes its leading blocks still cached on
+the device, copies the rest back, and it goes on where it stopped.
 
 A prefix lookup walks the tiers: the device's prefix cache, then the host tier's, then the
 disk's (`KVTiers.find_below`), block by block while the hash chain matches. Disk blocks are
