@@ -56,15 +56,14 @@ class TierMatch:
 
 @dataclass(frozen=True, slots=True)
 class KVTierStats:
-    """Counters over the tiers' life (since the engine's last reset), and their snapshots."""
+    """Counters over the tiers' life (since the engine's last reset), and their snapshots
+    (swap preemption's counters are the KV manager's: `EngineStats`)."""
 
     host: HostTierStats | None
     disk: DiskTierStats | None
     num_spilled_blocks: int  # device evictions copied to the host tier
     num_dropped_spills: int  # device evictions the host had no room for
     num_reloaded_blocks: dict[str, int]  # prefix blocks copied up, by source tier
-    num_swapped_out_blocks: int
-    num_swapped_in_blocks: int
     bytes_per_block: int
 
 
@@ -94,8 +93,6 @@ class KVTiers:
         self._num_spilled = 0
         self._num_dropped_spills = 0
         self._num_reloaded = dict.fromkeys(TIERS[1:], 0)
-        self._num_swapped_out = 0
-        self._num_swapped_in = 0
 
     # ------------------------------------------------------- device pool hooks
     def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
@@ -185,14 +182,12 @@ class KVTiers:
             return None
         host_ids = self.host.pool.allocate(len(device_ids))
         self.transfers.device_to_host(device_ids, host_ids)
-        self._num_swapped_out += len(device_ids)
         return host_ids
 
     def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
         """Queue the copies back; the caller's references on `host_ids` pass to the queue,
         which frees them once copied."""
         self.transfers.host_to_device(host_ids, device_ids)
-        self._num_swapped_in += len(host_ids)
 
     def free_swapped(self, host_ids: Sequence[int]) -> None:
         """A swapped sequence ended without resuming (aborted): its host blocks go back."""
@@ -247,8 +242,6 @@ class KVTiers:
             num_spilled_blocks=self._num_spilled,
             num_dropped_spills=self._num_dropped_spills,
             num_reloaded_blocks=dict(self._num_reloaded),
-            num_swapped_out_blocks=self._num_swapped_out,
-            num_swapped_in_blocks=self._num_swapped_in,
             bytes_per_block=self.bytes_per_block,
         )
 
