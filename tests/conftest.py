@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,3 +20,25 @@ def smollm2():
     from kvpool.engine.setup import load_engine_model
 
     return load_engine_model(EngineConfig(dtype="float32"))
+
+
+@pytest.fixture
+def tmpfs(tmp_path) -> Iterator[Callable[[str], Path]]:
+    """`tmpfs(size)` mounts a real tmpfs of `size` (e.g. "256k") for the test: a disk that
+    fills up, for the disk tier's ENOSPC path. Mounting needs root, which `make test` and CI
+    have on this project's machines; elsewhere the test is skipped, saying so."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("a real full disk needs a tmpfs mount, which needs root (CI has it)")
+        mount_point = tmp_path / f"tmpfs-{len(mounted)}"
+        mount_point.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                        str(mount_point)], check=True)
+        mounted.append(mount_point)
+        return mount_point
+
+    yield mount
+    for mount_point in mounted:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)

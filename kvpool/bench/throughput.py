@@ -118,17 +118,7 @@ def _generate(llm: LLM, requests: list[Request], show_progress: bool) -> dict:
 def tier_stats(stats: EngineStats) -> dict:
     """Preemptions of each kind, the KV moved to and from the host tier, and the prompt tokens
     each tier served: what a run's preemption mode and KV tiers did."""
-    return {
-        "num_preemptions": stats.num_preemptions,
-        "num_recompute_preemptions": stats.num_recompute_preemptions,
-        "num_swap_preemptions": stats.num_swap_preemptions,
-        "num_swapped_out_blocks": stats.num_swapped_out_blocks,
-        "num_swapped_out_bytes": stats.num_swapped_out_bytes,
-        "num_swapped_in_blocks": stats.num_swapped_in_blocks,
-        "num_swapped_in_bytes": stats.num_swapped_in_bytes,
-        "num_recompute_tokens_avoided": stats.num_recompute_tokens_avoided,
-        "cached_tokens_by_tier": dict(stats.cached_tokens_by_tier),
-    }
+    return {"num_preemptions": stats.num_preemptions, **stats.swap_fields()}
 
 
 def decode_latency(llm: LLM, prompt: list[int], num_tokens: int, pairs: int = 3) -> float:

@@ -30,10 +30,15 @@ class EngineStats:
     num_recompute_tokens_avoided: int  # computed tokens swapped sequences resumed with
     cached_tokens_by_tier: dict[str, int]  # prompt tokens served from "device", "host", "disk"
 
+    def swap_fields(self) -> dict:
+        """The preemption-by-kind and tier fields (`swap_stats`' names), for reports."""
+        return {name: getattr(self, name) for name in SWAP_FIELDS}
+
 
 
 def swap_stats(counters: SwapCounters, bytes_per_block: int) -> dict:
-    """`EngineStats`' preemption and tier fields from the KV manager's counters."""
+    """`EngineStats`' preemption and tier fields (`SWAP_FIELDS`) from the KV manager's
+    counters."""
     return {
         "num_recompute_preemptions": counters.num_recompute_preemptions,
         "num_swap_preemptions": counters.num_swap_preemptions,
@@ -44,3 +49,6 @@ def swap_stats(counters: SwapCounters, bytes_per_block: int) -> dict:
         "num_recompute_tokens_avoided": counters.num_recompute_tokens_avoided,
         "cached_tokens_by_tier": dict(counters.cached_tokens_by_tier),
     }
+
+
+SWAP_FIELDS = tuple(swap_stats(SwapCounters(), 0))

@@ -7,10 +7,10 @@
         swap seconds      = bytes  / device→host bandwidth  +  bytes / host→device bandwidth
         recompute seconds = prefill FLOPs of its computed tokens / prefill FLOP rate
 
-The three rates are measured at start-up (`measure_rates`, run by the engine's warm-up, on this
-machine and this model); `bytes` are the victim's blocks (codes and scales). A prefix cache hit
-could make a recomputation cheaper than this estimate; the estimate ignores it, which favours
-swapping, the choice that never recomputes a token.
+The three rates are measured at start-up, on this machine and this model
+(`kvpool.engine.warmup.measure_transfer_rates`); `bytes` are the victim's blocks (codes and
+scales). A prefix cache hit could make a recomputation cheaper than this estimate; the estimate
+ignores it, which favours swapping, the choice that never recomputes a token.
 
 Thrashing guard (the scheduler's, `recently_preempted`): a sequence preempted twice within the
 last `HYSTERESIS_STEPS` steps is not chosen first as a victim again.
@@ -62,8 +62,10 @@ class PreemptionPolicy:
         `num_computed_tokens` tokens."""
         if self.mode != "auto":
             return self.mode
-        if self.rates is None or num_computed_tokens == 0:
-            return RECOMPUTE if num_computed_tokens == 0 else SWAP
+        if num_computed_tokens == 0:
+            return RECOMPUTE  # nothing to keep
+        if self.rates is None:
+            return SWAP  # not measured: never recompute what could be kept
         swap = self.swap_seconds(num_blocks)
         return SWAP if swap < self.recompute_seconds(num_computed_tokens) else RECOMPUTE
 

@@ -88,14 +88,10 @@ async def kv_stats(request: Request) -> dict[str, Any]:
         "kv_pool": dataclasses.asdict(snapshot.kv_pool),
         "kv_tiers": {
             **dataclasses.asdict(snapshot.kv_tiers),
-            **{name: getattr(snapshot.stats, name) for name in _SWAP_STATS},
+            **snapshot.stats.swap_fields(),
         },
     }
 
-
-_SWAP_STATS = ("num_recompute_preemptions", "num_swap_preemptions", "num_swapped_out_blocks",
-               "num_swapped_out_bytes", "num_swapped_in_blocks", "num_swapped_in_bytes",
-               "num_recompute_tokens_avoided", "cached_tokens_by_tier")
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)

@@ -5,11 +5,7 @@ each test (`make_engine`)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -174,28 +170,14 @@ def test_corrupt_disk_files_are_skipped_and_counted_never_served(make_engine, tm
     assert second_engine.kv_tier_stats().disk.num_rejected_files == 1  # the chain stops there
 
 
-@contextlib.contextmanager
-def _tiny_filesystem(path: Path, size: str):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                   check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_a_full_disk_turns_the_tier_off_with_a_warning_and_loses_nothing(
-        make_engine, reference, tmp_path, caplog):
-    with _tiny_filesystem(tmp_path / "small", "1m") as directory:
-        engine = make_engine(dtype="float32", kv_disk_cache=str(directory))
-        with caplog.at_level(logging.WARNING, logger="kvpool.memory.disk_tier"):
-            outputs = token_ids(run_all(engine, PRESSURE_PROMPTS))
-            engine.close()
-        disk = engine.kv_tier_stats().disk
-        assert outputs == reference
-        assert not disk.is_enabled and disk.num_write_errors >= 1
-        warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
-        assert len(warnings) == 1 and "disk" in warnings[0].getMessage().lower()
+        make_engine, reference, tmpfs, caplog):
+    engine = make_engine(dtype="float32", kv_disk_cache=str(tmpfs("1m")))
+    with caplog.at_level(logging.WARNING, logger="kvpool.memory.disk_tier"):
+        outputs = token_ids(run_all(engine, PRESSURE_PROMPTS))
+        engine.close()
+    disk = engine.kv_tier_stats().disk
+    assert outputs == reference
+    assert not disk.is_enabled and disk.num_write_errors >= 1
+    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "disk" in warnings[0].getMessage().lower()

@@ -5,9 +5,7 @@ format alone is test_disk_block_format; the state machine is test_disk_tier_mach
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -171,18 +169,9 @@ def test_a_block_bigger_than_the_capacity_is_not_stored(tmp_path):
 
 # ---------------------------------------------------------------- failures
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A 256 KiB tmpfs, mounted for the test and unmounted after it."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount_point = tmp_path / "small_disk"
-    mount_point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                   check=True)
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
+    return tmpfs("256k")
 
 
 def test_a_full_disk_switches_the_tier_off_with_one_warning(small_disk, caplog):
