@@ -8,11 +8,13 @@ the sampler's float32 arithmetic finite (see `_MIN_REPETITION_PENALTY`).
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
 
 from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by less would
 # scale them past 1e5 and make the softmax a numerically fragile argmax anyway.
@@ -25,6 +27,8 @@ _SAMPLING_EPS = 1e-5
 # (vLLM and HF suggest 1.0-1.5): at 100 a seen token is already as good as banned.
 _MIN_REPETITION_PENALTY = 0.01
 _MAX_REPETITION_PENALTY = 100.0
+# OpenAI's range for logit_bias values: -100 bans a token in effect, 100 all but forces it.
+_MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.Enum):
@@ -43,6 +47,13 @@ class SamplingParams:
     limit. `logprobs=k` returns, for every sampled token, its log probability and the k most
     likely alternatives (from the model's raw distribution, before temperature and penalties).
     `output_kind` says what each of the request's outputs carries (see `RequestOutputKind`).
+
+    Beyond the basics, as in vLLM: `logit_bias` adds to chosen tokens' logits; only
+    `allowed_token_ids` may be sampled, when given; `bad_words` are never generated (as token
+    sequences); `structured_outputs` constrains the output to a schema, regex, choice or
+    grammar; `include_stop_str_in_output` keeps the stop string that ended the text;
+    `prompt_logprobs=k` returns each prompt token's log probability and the k most likely
+    alternatives at its position. `stop=None`, `stop_token_ids=None` and `seed=-1` mean none.
     """
 
     n: int = 1
@@ -62,15 +73,32 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
-        object.__setattr__(self, "stop", list(self.stop))
-        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        object.__setattr__(self, "stop", list(self.stop or []))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        object.__setattr__(self, "bad_words", list(self.bad_words or []))
+        if self.seed == -1:
+            object.__setattr__(self, "seed", None)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
         self._validate()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `clone`): changing the copy's lists never touches this one."""
+        return copy.deepcopy(self)
 
     def _validate(self) -> None:
         # (field, is valid, rule); NaN fails every comparison, so it is rejected too.
@@ -108,10 +136,39 @@ class SamplingParams:
                 isinstance(self.output_kind, RequestOutputKind),
                 "must be a RequestOutputKind",
             ),
+            *self._extension_checks(),
         ]
         for param, is_valid, rule in checks:
             if not is_valid:
                 raise InvalidRequestError(f"{param} {rule}", param)
+
+    def _extension_checks(self) -> list[tuple[str, bool, str]]:
+        bias = self.logit_bias or {}
+        allowed = self.allowed_token_ids
+        return [
+            ("logit_bias", all(_is_token_id(t) for t in bias), "keys must be token ids"),
+            (
+                "logit_bias",
+                all(isinstance(v, (int, float)) and abs(v) <= _MAX_LOGIT_BIAS
+                    for v in bias.values()),
+                f"values must be in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                "allowed_token_ids",
+                allowed is None or (bool(allowed) and all(_is_token_id(t) for t in allowed)),
+                "must be a non-empty list of token ids",
+            ),
+            ("bad_words", all(isinstance(w, str) and w for w in self.bad_words),
+             "must be non-empty strings"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             "must be >= 0"),
+            (
+                "structured_outputs",
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "must be a StructuredOutputsParams",
+            ),
+        ]
 
     @property
     def is_greedy(self) -> bool:
@@ -124,3 +181,7 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

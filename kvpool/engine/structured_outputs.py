@@ -1,0 +1,86 @@
+"""What a request's output must match: a JSON schema, any JSON object, a regex, one of a list
+of strings, or a grammar (vLLM's `StructuredOutputsParams`, same names and meanings).
+
+Exactly one kind is given. The spec is only a description: compiling it into a grammar and
+keeping per-sequence matcher state is `kvpool.engine.grammar`'s job. `key` is the spec in a
+canonical, hashable form, so equal schemas share one compiled grammar however their JSON was
+spelled (key order, whitespace).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.engine.errors import InvalidRequestError
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredOutputsParams:
+    """One constraint on the output; `json` is a JSON schema (a dict, or its JSON text)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF / Lark-like, as xgrammar reads it)
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice))
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if self._value(kind) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+                f" (got {len(given)})", "structured_outputs")
+        self._check_value(given[0])
+
+    def _value(self, kind: str) -> Any:
+        value = getattr(self, kind)
+        return None if kind == "json_object" and not value else value
+
+    def _check_value(self, kind: str) -> None:
+        value = self._value(kind)
+        param = f"structured_outputs.{kind}"
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as error:
+                raise InvalidRequestError("the JSON schema is not valid JSON", param) from error
+        if kind == "json" and not isinstance(value, (dict, bool)):
+            raise InvalidRequestError("the JSON schema must be an object", param)
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise InvalidRequestError(f"{kind} must be a non-empty string", param)
+        if kind == "choice" and not (
+            value and all(isinstance(item, str) and item for item in value)
+        ):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings",
+                                      param)
+
+    @property
+    def kind(self) -> str:
+        """Which of `STRUCTURED_OUTPUT_KINDS` this spec is."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if self._value(kind) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints have equal keys."""
+        kind = self.kind
+        value = self._value(kind)
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(value)
+        if kind == "json_object":
+            return kind, ""
+        return kind, value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutputsParams) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
