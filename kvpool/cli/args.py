@@ -2,6 +2,10 @@
 names (`add_engine_args` -> `engine_config_from_args`), sampling flags (`add_sampling_args` ->
 `sampling_params_from_args`) and `parse_size` for byte sizes such as `512MiB`.
 
+vLLM's flags that kvpool has no counterpart for (`--tensor-parallel-size 1`, `--enforce-eager`,
+`--trust-remote-code`, ...) are accepted in their own group, from the one table of them
+(`kvpool.engine.vllm_compat`): at a neutral value with one warning, otherwise refused.
+
 Light on purpose (no torch): commands register these flags when `kvpool --help` builds its
 parser.
 """
@@ -10,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+from typing import Any
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
 from kvpool.engine.config import DEFAULT_KV_DISK_CACHE_SIZE, PREEMPTION_MODES, EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.vllm_compat import VLLM_ARGS, VLLMArg, ignore_vllm_args
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 from kvpool.memory.kv_pool import KV_POOL_MODES
@@ -41,10 +48,22 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def parse_json_object(text: str) -> dict[str, Any]:
+    """`{"temperature": 0.5}` -> a dict (vLLM's JSON-valued flags)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Add the engine flags; the model is `--model`, or a positional MODEL (as `vllm serve`)."""
     group = parser.add_argument_group("engine")
-    model_help = "GGUF file, HF directory or dummy preset (default: SmolLM2)"
+    model_help = ("GGUF file, HF directory, Hugging Face Hub id in the local cache (org/name) "
+                  "or dummy preset (default: SmolLM2)")
     if model_positional:
         group.add_argument("model", nargs="?", default=None, help=model_help)
     else:
@@ -62,9 +81,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (over memory)")
+    group.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                       help="KV blocks (over memory)")
     group.add_argument(
         "--kv-cache-memory",
+        "--kv-cache-memory-bytes",
         type=parse_size,
         default=None,
         help="KV cache size, e.g. 512MiB (CPU default 2GiB)",
@@ -99,8 +120,58 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=True,
         help="run a dummy batch at start-up so the first request pays no first-use costs",
     )
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,DIR}",
+        help="requests' sampling defaults: auto (the model's generation_config.json), vllm "
+        "(none), or a directory holding a generation_config.json",
+    )
+    group.add_argument(
+        "--override-generation-config",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help='merged over those defaults, e.g. \'{"temperature": 0.5}\'',
+    )
     _add_kv_pool_args(parser)
     _add_kv_tier_args(parser)
+    _add_vllm_compat_args(parser)
+
+
+def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "accepted for vLLM compatibility",
+        "vLLM flags kvpool has no counterpart for: ignored, with a warning, at values that "
+        "change nothing here; refused otherwise",
+    )
+    for arg in VLLM_ARGS:
+        if arg.flag is None:
+            continue
+        if arg.flag is bool:
+            group.add_argument(arg.flag_name, *arg.aliases, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=_compat_help(arg))
+        else:
+            group.add_argument(arg.flag_name, *arg.aliases, type=arg.flag, metavar="VALUE",
+                               default=argparse.SUPPRESS, help=_compat_help(arg))
+
+
+def _compat_help(arg: VLLMArg) -> str:
+    """What a compatibility flag accepts, in the terms of a command line (no None)."""
+    if arg.neutral is None:
+        return f"ignored: {arg.reason}"
+    values = [_spelling(arg, value) for value in arg.neutral if value is not None]
+    values += ["the model"] if arg.names_model else []
+    if not values:
+        return f"refused: {arg.supported}"
+    return f"{', '.join(values)} accepted, and ignored: {arg.reason}"
+
+
+def _spelling(arg: VLLMArg, value: object) -> str:
+    """A value as a command line gives it: a bool as its flag (--x / --no-x), else as text."""
+    if arg.flag is bool:
+        return arg.flag_name if value else "--no-" + arg.flag_name.removeprefix("--")
+    return str(value)
 
 
 def _add_kv_tier_args(parser: argparse.ArgumentParser) -> None:
@@ -168,7 +239,11 @@ def _add_kv_pool_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """An EngineConfig from the parsed flags (ValueError, with the field named, if invalid)."""
+    """An EngineConfig from the parsed flags (ValueError, with the field named, if invalid;
+    also for a vLLM compatibility flag at a value kvpool cannot honour)."""
+    ignore_vllm_args(getattr(args, "model", None), {
+        arg.name: getattr(args, arg.name) for arg in VLLM_ARGS
+        if arg.flag is not None and hasattr(args, arg.name)})
     names = {field.name for field in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 

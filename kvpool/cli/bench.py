@@ -1,11 +1,12 @@
 """`kvpool bench blocks | throughput | multi-turn | serve | precision | kv-capacity |
-kv-granularity`: the benchmark commands' flags.
+kv-granularity | structured`: the benchmark commands' flags.
 
 This module owns only the parsers. Each benchmark's logic lives in its own module,
 `kvpool.bench.blocks`, `kvpool.bench.throughput`, `kvpool.bench.multi_turn`,
-`kvpool.bench.serve`, `kvpool.bench.precision`, `kvpool.bench.kv_capacity` and
-`kvpool.bench.kv_granularity`, whose `run(args, ...)` prints a table, or one JSON object with
-`--json`. Those modules are imported when a benchmark runs, never when the parser is built.
+`kvpool.bench.serve`, `kvpool.bench.precision`, `kvpool.bench.kv_capacity`,
+`kvpool.bench.kv_granularity` and `kvpool.bench.structured`, whose `run(args, ...)` prints a
+table, or one JSON object with `--json`. Those modules are imported when a benchmark runs,
+never when the parser is built.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for register_bench in (
         _register_blocks, _register_throughput, _register_multi_turn, _register_serve,
-        _register_precision, _register_kv_capacity, _register_kv_granularity
+        _register_precision, _register_kv_capacity, _register_kv_granularity,
+        _register_structured,
     ):
         register_bench(bench_subparsers)
 
@@ -186,6 +188,27 @@ def _register_kv_granularity(bench_subparsers: argparse._SubParsersAction) -> No
     parser.set_defaults(func=run_kv_granularity)
 
 
+def _register_structured(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "structured", help="output tokens/s with 0%%, 50%% and 100%% of a batch constrained by "
+        "a JSON schema (structured outputs' per-step cost)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=32, help="the batch (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="tokens every request generates (default 128)")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 1.0],
+                        metavar="F", help="shares of the batch constrained, one run each per "
+                        "round (default 0 0.5 1)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of runs, alternating direction (default 3)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the batch once, untimed, first (default on)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(parser)
+    parser.set_defaults(func=run_structured)
+
+
 def _add_length_args(
     parser: argparse.ArgumentParser, input_len: tuple[int, int], output_len: tuple[int, int]
 ) -> None:
@@ -239,3 +262,9 @@ def run_precision(args: argparse.Namespace) -> int:
     from kvpool.bench import precision
 
     return precision.run(args)
+
+
+def run_structured(args: argparse.Namespace) -> int:
+    from kvpool.bench import structured
+
+    return structured.run(args, engine_config_from_args(args))

@@ -6,12 +6,18 @@ engine and the app (`kvpool.server.app.build_app`) under `GracefulServer`.
 SIGTERM or Ctrl-C starts a graceful shutdown: new generation requests get 503 at once, requests
 in flight may finish for `--shutdown-grace-seconds`, whatever is left is then aborted, the engine
 thread is joined and the process exits 0. A second Ctrl-C forces an immediate exit.
+
+Keys: `--api-key` may repeat (every key names tenant "default"); without it, the
+`KVPOOL_API_KEY` environment variable, else `VLLM_API_KEY` (as vLLM reads it), gives one.
+`--metrics-api-key` is accepted on /metrics only; `--allow-unauthenticated-metrics` opens it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
@@ -20,6 +26,8 @@ if TYPE_CHECKING:
     from kvpool.server.config import ServerConfig
 
 DEFAULT_PORT = 8000
+API_KEY_ENV_VARS = ("KVPOOL_API_KEY", "VLLM_API_KEY")  # read in this order without --api-key
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,9 +40,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--served-model-name", nargs="+", default=None,
         help="names clients use in `model` (default: MODEL, or SmolLM2-135M-Instruct)",
     )
-    group.add_argument("--api-key", default=None, help="require this key (tenant 'default')")
+    group.add_argument(
+        "--api-key", action="append", default=None,
+        help="require this key (tenant 'default'); repeat for several. Default: "
+             "$KVPOOL_API_KEY, else $VLLM_API_KEY",
+    )
     group.add_argument(
         "--api-key-file", default=None, help="file of 'tenant:key' lines, one per line"
+    )
+    group.add_argument(
+        "--metrics-api-key", default=None,
+        help="a key accepted on /metrics only (for Prometheus), besides the tenants' keys",
+    )
+    group.add_argument(
+        "--allow-unauthenticated-metrics", action="store_true",
+        help="serve /metrics without a key even when the other routes need one",
     )
     group.add_argument(
         "--max-concurrent-requests", type=int, default=1024,
@@ -53,24 +73,67 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM/Ctrl-C, how long in-flight requests may still run",
     )
     group.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--chat-template", default=None,
+        help="a Jinja chat template (a file, or the template itself) replacing the model's",
+    )
+    group.add_argument(
+        "--tool-call-parser", default="hermes",
+        help="how tool calls are read from the model's output (default hermes)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM command lines: tool_choice auto is always on",
+    )
+    group.add_argument(
+        "--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+        help="uvicorn's log level, in any case (default info)",
     )
     parser.set_defaults(func=run)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from kvpool.server.auth import ApiKeyTable
+    from kvpool.server.auth import METRICS_TENANT, ApiKeyTable
     from kvpool.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     return ServerConfig(
         served_model_names=tuple(names),
-        api_keys=ApiKeyTable.from_config(args.api_key, args.api_key_file),
+        api_keys=ApiKeyTable.from_config(api_keys_from_args(args), args.api_key_file),
+        metrics_api_keys=ApiKeyTable.from_keys(
+            [(METRICS_TENANT, args.metrics_api_key)] if args.metrics_api_key is not None else []
+        ),
+        allow_unauthenticated_metrics=args.allow_unauthenticated_metrics,
         max_concurrent_requests=args.max_concurrent_requests or None,
         max_queued_sequences=args.max_queued_sequences or None,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
+        chat_template=load_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
     )
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template` as vLLM reads it: a file's contents, or the value itself if it looks
+    like a template (braces or a newline); ValueError for a path that does not exist."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(char in value for char in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: no such file {value!r}")
+
+
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """The `--api-key` flags; without any, the first of `API_KEY_ENV_VARS` that is set (an
+    empty variable counts as unset)."""
+    if args.api_key is not None:
+        return list(args.api_key)
+    for name in API_KEY_ENV_VARS:
+        if os.environ.get(name):
+            return [os.environ[name]]
+    return []
 
 
 def run(args: argparse.Namespace) -> int:

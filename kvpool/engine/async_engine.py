@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
+from kvpool.engine.grammar import GrammarCompiler
 from kvpool.engine.outputs import RequestOutput, merge_deltas
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.memory.block_pool import BlockPoolStats
@@ -157,6 +158,11 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """The engine's structured-outputs compiler (thread-safe; None without a tokenizer)."""
+        return self.engine.grammar_compiler
+
+    @property
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.unhealthy_reason is None
 
@@ -177,8 +183,12 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream; ValueError (from the engine) if it is
-        invalid, EngineClosedError if the engine is shutting down."""
+        invalid, EngineClosedError if the engine is shutting down. A structured request's
+        grammar is compiled first, in a worker thread, so the engine thread finds it cached."""
         loop = asyncio.get_running_loop()
+        compiler = self.grammar_compiler
+        if params.structured_outputs is not None and compiler is not None:
+            await asyncio.to_thread(compiler.compile, params.structured_outputs)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         stream = RequestStream(request_id, loop, self, params.output_kind)
         added: asyncio.Future[None] = loop.create_future()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
+from kvpool.engine.generation_config import check_generation_config_source
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 from kvpool.memory.kv_pool import KV_POOL_MODES
 from kvpool.model.dtype import canonical_dtype_name
@@ -40,9 +43,16 @@ class EngineConfig:
     sequence's KV becomes: "recompute" (dropped), "swap" (copied to the host tier, back on
     resumption), or "auto" (per victim, whichever the measured copy and prefill rates say is
     cheaper; recompute without a host tier).
+
+    `model` is a path or a Hugging Face Hub id in the local Hub cache. `generation_config`
+    says where requests' sampling defaults come from, as in vLLM: "auto" (the model's
+    generation_config.json), "vllm" (none: SamplingParams' own) or a directory holding such a
+    file; `override_generation_config` (HF names, e.g. {"temperature": 0.5}) is merged over
+    them (`kvpool.engine.generation_config`). vLLM arguments with no counterpart here are
+    sorted out before this config is built (`kvpool.engine.vllm_compat`).
     """
 
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct; a path or a Hub id
     load_format: str = "auto"
     dtype: str = "auto"  # bfloat16 where the device runs it natively, else float32
     device: str = "cpu"
@@ -68,9 +78,18 @@ class EngineConfig:
     preemption_mode: str = "auto"  # "auto", "recompute" or "swap"
     kv_disk_cache: str | None = None  # directory of the disk KV tier; None: none
     kv_disk_cache_size: int = DEFAULT_KV_DISK_CACHE_SIZE  # bytes the disk tier may hold
+    generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
+    override_generation_config: dict[str, Any] | None = None  # merged over those defaults
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
+        check_generation_config_source(self.generation_config)
+        if self.override_generation_config is not None:
+            if not isinstance(self.override_generation_config, Mapping):
+                raise ValueError("override_generation_config must be a dict of "
+                                 "generation_config.json fields, e.g. {'temperature': 0.5}")
+            object.__setattr__(self, "override_generation_config",
+                               dict(self.override_generation_config))
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,

@@ -33,16 +33,21 @@ import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 
-import torch
-
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine_stats import EngineStats, swap_stats
 from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.grammar import GrammarCompiler
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.output_processor import OutputProcessor
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.preemption import PreemptionPolicy
+from kvpool.engine.request_state import (
+    bad_words_token_ids,
+    cache_salt_key,
+    grammar_matchers,
+    sequence_generators,
+)
 from kvpool.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -53,7 +58,7 @@ from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.kv_tiers import KVTierStats
-from kvpool.memory.prefix_cache import SaltKey, hash_full_blocks, salt_key
+from kvpool.memory.prefix_cache import hash_full_blocks
 from kvpool.model.flops import prefill_flops
 
 PromptInput = str | SequenceOf[int] | dict
@@ -68,11 +73,15 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.device = parts.device
         self.dtype = parts.dtype  # the model's and the KV cache's ("auto" already resolved)
+        self._default_sampling_params = parts.default_sampling_params
         self.kv_memory = parts.kv_memory
         self.runner = ModelRunner(parts.model, self.kv_memory.kv_cache, parts.device)
         eos_ids = parts.tokenizer.eos_token_ids if parts.tokenizer else ()
         self.eos_token_ids = frozenset(eos_ids) | frozenset(parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
+        # Structured outputs' grammars (None without a tokenizer): callers may compile ahead.
+        self.grammar_compiler = None if parts.tokenizer is None else GrammarCompiler(
+            parts.tokenizer, parts.model_config.vocab_size, self.eos_token_ids)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.batched_tokens_limit(parts.max_model_len),
@@ -116,17 +125,21 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); InvalidRequestError
-        (a ValueError naming the field) if it can never run."""
+        (a ValueError naming the field) if it can never run. A structured request's grammar
+        comes from `grammar_compiler`'s cache, or is compiled here (callers that can compile
+        ahead, off the step loop, do: the async engine, the server)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt_text, token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         self._validate(request_id, token_ids, params)
-        salt = _salt_key(cache_salt)
+        salt = cache_salt_key(cache_salt)
         request = Request(request_id, prompt_text, token_ids, params, time.monotonic(), salt,
-                          _sequence_generators(params.seed, params.n, self.device), priority,
-                          cache_salt)
+                          sequence_generators(params.seed, params.n, self.device), priority,
+                          cache_salt, grammar_matchers(params, self.grammar_compiler),
+                          bad_words_token_ids(params.bad_words, self.tokenizer,
+                                              self.model_config.vocab_size))
         block_size = self.kv_memory.layout.block_size
         self.scheduler.add_request(request, hash_full_blocks(token_ids, block_size, salt))
         self.requests[request_id] = request
@@ -165,9 +178,16 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise InvalidRequestError(f"logprobs exceeds the vocabulary ({vocab_size})",
                                       "logprobs")
-        if any(token_id >= vocab_size for token_id in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})",
-                                      "stop_token_ids")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
+            raise InvalidRequestError(f"prompt_logprobs exceeds the vocabulary ({vocab_size})",
+                                      "prompt_logprobs")
+        for param, what, ids in (
+            ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+            ("logit_bias", "logit_bias keys", params.logit_bias or ()),
+            ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            if any(token_id >= vocab_size for token_id in ids):
+                raise InvalidRequestError(f"{what} must be in [0, {vocab_size})", param)
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
                 f"n exceeds max_num_seqs ({self.config.max_num_seqs})", "n")
@@ -217,7 +237,8 @@ class LLMEngine:
         try:
             logits = self.runner.execute(batch.chunks, batch.block_copies)
             model_seconds = clock.lap("model")
-            sampled = self.sampler(logits, self._sampling_rows(batch))
+            sampled = self.sampler(logits.sampling, self._sampling_rows(batch))
+            self.outputs.add_prompt_logprobs(batch.chunks, logits.prompt)
         except BaseException:
             self.scheduler.roll_back(batch)
             raise
@@ -236,16 +257,19 @@ class LLMEngine:
             if len(seq.output_token_ids) < params.min_tokens:
                 eos = () if params.ignore_eos else tuple(self.eos_token_ids)
                 banned = eos + tuple(params.stop_token_ids)
+            request = seq.request
             rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids,
-                                    seq.request.generators[index], banned))
+                                    request.generators[index], banned,
+                                    request.matchers[index] if request.matchers else None,
+                                    request.bad_words_token_ids))
         return rows
 
     def _make_outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
         for request in changed:
-            if request.first_token_time is None and request.sequences[0].output_token_ids:
-                request.first_token_time = now
+            if request.sequences[0].output_token_ids:
+                request.record_new_tokens(now)
             if request.is_finished:
                 request.finish_time = now
                 self.requests.pop(request.request_id, None)
@@ -302,6 +326,12 @@ class LLMEngine:
         self.scheduler.check_invariants(sequences)
         self.kv_memory.check_invariants(self.scheduler.kv.num_swapped_host_blocks)
 
+    def default_sampling_params(self) -> dict[str, float]:
+        """SamplingParams field -> value for the fields the model's generation config sets
+        (vLLM's `generation_config="auto"`; `kvpool.engine.generation_config`): the defaults
+        of a request that leaves them out. Empty when the model sets none. A copy."""
+        return dict(self._default_sampling_params)
+
 
 class _PhaseClock:
     """Adds the wall time since the previous lap to a named phase."""
@@ -317,25 +347,3 @@ class _PhaseClock:
         self.totals[phase] += seconds
         self.last = now
         return seconds
-
-
-def _salt_key(cache_salt: str | None) -> SaltKey:
-    try:
-        return salt_key(cache_salt)
-    except UnicodeEncodeError:  # a lone surrogate: not text that can be hashed
-        raise InvalidRequestError("cache_salt must be valid Unicode text", "cache_salt") from None
-
-
-def _sequence_generators(
-    seed: int | None, n: int, device: torch.device
-) -> tuple[torch.Generator | None, ...]:
-    """A private random stream per completion of a seeded request, on the model's device:
-    completion `index` of seed s is the same whatever else runs in the batch."""
-    if seed is None:
-        return (None,) * n
-    generators = []
-    for index in range(n):
-        generator = torch.Generator(device=device)
-        generator.manual_seed((seed * 0x9E3779B97F4A7C15 + index) % 2**63)
-        generators.append(generator)
-    return tuple(generators)

@@ -32,6 +32,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
+from kvpool.engine.prompt_logprobs import pending_positions
 from kvpool.engine.sequence import Sequence
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError
@@ -92,12 +93,13 @@ class KVCacheManager:
         """The plan for admitting a waiting sequence now, or None if its blocks do not fit.
 
         The prefix lookup stops one token short of the end so that at least one token is
-        computed: the step needs its logits. The watermark only matters when others run.
+        computed: the step needs its logits; for a request still owed prompt logprobs, it
+        stops where they do (`_num_query_tokens`). The watermark only matters when others run.
         Disk blocks are read (and validated) only once the plan is known to fit.
         """
         if seq.seq_id in self._swapped:
             return self._plan_swap_in(seq, token_budget, allow_partial, keep_watermark)
-        query = seq.token_ids(0, seq.num_tokens - 1)
+        query = seq.token_ids(0, _num_query_tokens(seq))
         prefix = self.pool.match_prefix(seq.block_hashes, query)
         first_below = len(prefix.block_ids)
         below = self.tiers.find_below(seq.block_hashes, query, first_below,
@@ -249,7 +251,13 @@ class KVCacheManager:
         self.counters = SwapCounters()
 
 
-_NO_PREFIX = PrefixMatch([], 0, 0, 0, 0)
+def _num_query_tokens(seq: Sequence) -> int:
+    """How many leading tokens a prefix lookup may serve: all but the last, and none of the
+    positions still owed prompt logprobs (a cached position gives no logits). So a new request
+    with prompt logprobs takes no cached prefix, as in vLLM; one preempted after some were
+    computed may take back up to where they stop."""
+    pending = pending_positions(seq.request)
+    return min(seq.num_tokens - 1, pending.start) if pending else seq.num_tokens - 1
 
 
 def _num_new_tokens(num_uncomputed: int, token_budget: int, allow_partial: bool) -> int | None:

@@ -4,6 +4,12 @@ from kvpool import LLM, SamplingParams
 llm = LLM()                                          # the bundled SmolLM2-135M-Instruct
 outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 outs = llm.chat([{"role": "user", "content": "Hi"}], params)
+
+`model` is a path or a Hugging Face Hub id in the local cache; the other keywords are
+`EngineConfig` fields or vLLM arguments kvpool accepts for compatibility
+(`kvpool.engine.vllm_compat`: harmless values are ignored with a warning, others refused).
+Sampling params left out (None) are the model's defaults (`get_default_sampling_params`, from
+its generation_config.json, as vLLM's `generation_config="auto"`).
 """
 
 from __future__ import annotations
@@ -11,25 +17,29 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
-from typing import Any
+from numbers import Integral
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine, PromptInput
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvpool.engine.vllm_compat import engine_config
 from kvpool.memory.block_pool import BlockPoolStats
-from kvpool.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Message = Mapping[str, Any]
 
 
 class LLM:
-    """Batch generation over the engine; engine options are `EngineConfig` fields."""
+    """Batch generation over the engine; engine options are `EngineConfig` fields (and the
+    vLLM arguments `kvpool.engine.vllm_compat` accepts)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = LLMEngine(engine_config(model, engine_options))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -38,8 +48,16 @@ class LLM:
         llm.engine = engine
         return llm
 
-    def get_tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The transformers tokenizer, as vLLM's `get_tokenizer` returns (None for a model
+        without one); kvpool's own wrapper is `self.engine.tokenizer`."""
+        tokenizer = self.engine.tokenizer
+        return None if tokenizer is None else tokenizer.hf_tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params a request gets when it gives none: SamplingParams' defaults,
+        with the fields the model's generation config sets (`generation_config`)."""
+        return SamplingParams(**self.engine.default_sampling_params())
 
     def memory_stats(self) -> BlockPoolStats:
         """The block pool's snapshot: used, free, cached blocks, hits, evictions…"""
@@ -54,11 +72,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
-        A prompt is text, or {"prompt_token_ids": [...]}. If any prompt is invalid, ValueError
-        names it and nothing runs. The engine hands out each request's output once, when it
-        finishes (`RequestOutputKind.FINAL_ONLY`): nothing is copied along the way.
+        A prompt is text, token ids (a list of ints is ONE prompt, a list of such lists is
+        many, as in vLLM), or {"prompt_token_ids": [...]}. `sampling_params` None is
+        `get_default_sampling_params()`. If any prompt is invalid, ValueError names it and
+        nothing runs. The engine hands out each request's output once, when it finishes
+        (`RequestOutputKind.FINAL_ONLY`): nothing is copied along the way.
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         request_ids = self._add_all(prompt_list, params_list, cache_salt)
         return self._run(request_ids, use_tqdm)
@@ -125,16 +147,19 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptInput | SequenceOf[PromptInput]) -> list[PromptInput]:
-    if isinstance(prompts, (str, dict)):
+    """One prompt (text, a dict, or token ids: a sequence whose first item is an int, as vLLM
+    tells them apart) as a list of one; a sequence of prompts as a list."""
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
-    return list(prompts)
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], Integral):
+        return [prompts]
+    return prompts
 
 
 def _as_params_list(
-    params: SamplingParams | SequenceOf[SamplingParams] | None, num_prompts: int
+    params: SamplingParams | SequenceOf[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
-    if params is None:
-        params = SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * num_prompts
     if len(params) != num_prompts:

@@ -2,11 +2,16 @@
 
 The scheduler speaks in sequences and block tables; the model speaks in flat token ids,
 positions and `AttentionMetadata`. The runner translates: it orders the step's chunks decode
-first (so backends can launch one kernel per kind), flattens their tokens, computes each new
-token's slot from its block table (`KVLayout.slot_mapping`), and maps the logits back to the
-caller's chunk order. A chunk asks for `num_samples` logits rows of its last token: 0 mid-prompt,
-usually 1, n where a prompt's last chunk is sampled once per completion to be forked, so the
-sampler gets exactly one row per sequence and nothing is re-indexed after the model.
+first (so backends can launch one kernel per kind), flattens their tokens, and computes each new
+token's slot from its block table (`KVLayout.slot_mapping`).
+
+A chunk asks for two kinds of logits rows. `num_samples` rows of its last token: 0 mid-prompt,
+usually 1, n where a prompt's last chunk is sampled once per completion to be forked. And one
+row per position of `prompt_logprob_positions`, for a request that asked for prompt logprobs.
+The model computes them in one call (its `logits_indices` list the sampling rows of every chunk,
+then the prompt-logprob rows of every chunk, each in the caller's chunk order), and `execute` splits
+them into `StepLogits`: the sampler gets exactly one row per sequence, in order, and nothing is
+re-indexed after the model.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from kvpool.memory.kv_cache import KVCache
 class ModelChunk(Protocol):
     """One sequence's share of a step: `token_ids` are new this step and follow
     `num_computed_tokens` tokens whose KV is already cached in `block_ids`; the step returns
-    `num_samples` logits rows of its last token. The scheduler's `ScheduledChunk` is one."""
+    `num_samples` logits rows of its last token, and one row per position (absolute, among the
+    chunk's) of `prompt_logprob_positions`. The scheduler's `ScheduledChunk` is one."""
 
     @property
     def token_ids(self) -> Sequence[int]: ...
@@ -39,6 +45,9 @@ class ModelChunk(Protocol):
     @property
     def num_samples(self) -> int: ...
 
+    @property
+    def prompt_logprob_positions(self) -> range: ...
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceChunk:
@@ -48,6 +57,7 @@ class SequenceChunk:
     num_computed_tokens: int
     block_ids: Sequence[int]
     num_samples: int = 1
+    prompt_logprob_positions: range = range(0)
 
 
 class CausalLM(Protocol):
@@ -68,8 +78,16 @@ class StepInputs:
     token_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor
-    logits_order: list[int]  # logits row r is the r-th row in caller order (see `execute`)
+    logits_indices: torch.Tensor  # the sampling rows, then the prompt-logprob rows
+    num_sampling_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    """A step's logits, split by use; each part lists its chunks' rows in the caller's order."""
+
+    sampling: torch.Tensor  # [sum of num_samples, vocab]: one row per sampled sequence
+    prompt: torch.Tensor  # [sum of len(prompt_logprob_positions), vocab]
 
 
 class ModelRunner:
@@ -83,12 +101,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, chunks: Sequence[ModelChunk], block_copies: Sequence[BlockCopy] = ()
-    ) -> torch.Tensor:
-        """Apply pending block copies, run the step, return `[sum of num_samples, vocab]`
-        logits: each chunk's rows in turn, in the order the chunks were given."""
+    ) -> StepLogits:
+        """Apply pending block copies, run the step, return its logits split into sampling
+        rows and prompt-logprob rows."""
         self.kv_cache.copy_blocks(block_copies)
         if not chunks:
-            return torch.empty(0, device=self.device)
+            empty = torch.empty(0, device=self.device)
+            return StepLogits(empty, empty)
         inputs = self.prepare(chunks)
         logits = self.model(
             inputs.token_ids,
@@ -98,38 +117,29 @@ class ModelRunner:
             inputs.logits_indices,
             self.kv_cache.scales,
         )
-        if inputs.logits_order == sorted(inputs.logits_order):
-            return logits
-        restore = torch.empty(len(inputs.logits_order), dtype=torch.int64)
-        restore[torch.tensor(inputs.logits_order)] = torch.arange(len(inputs.logits_order))
-        return logits[restore.to(logits.device)]
+        split = inputs.num_sampling_rows
+        return StepLogits(logits[:split], logits[split:])
 
     def prepare(self, chunks: Sequence[ModelChunk]) -> StepInputs:
         """Flatten the chunks (decodes first) into the model's inputs."""
         layout = self.kv_cache.layout
         # Stable sort: decodes (one new token) first, otherwise keep the caller's order.
         order = sorted(range(len(chunks)), key=lambda index: len(chunks[index].token_ids) != 1)
-        first_row: list[int] = []  # the caller-order logits row of each chunk's first sample
-        num_rows = 0
-        for chunk in chunks:
-            first_row.append(num_rows)
-            num_rows += chunk.num_samples
+        first_token = [0] * len(chunks)  # where each chunk's tokens start in the flat batch
         token_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        logits_indices: list[int] = []
-        logits_order: list[int] = []
         seq_lens: list[int] = []
         for index in order:
             chunk = chunks[index]
+            first_token[index] = len(token_ids)
             start = chunk.num_computed_tokens
             seq_len = start + len(chunk.token_ids)
             seq_lens.append(seq_len)
             positions.extend(range(start, seq_len))
             slot_mapping.extend(layout.slot_mapping(chunk.block_ids, start, seq_len))
             token_ids.extend(chunk.token_ids)
-            logits_indices.extend([len(token_ids) - 1] * chunk.num_samples)
-            logits_order.extend(range(first_row[index], first_row[index] + chunk.num_samples))
+        sampling_rows, prompt_rows = _logits_rows(chunks, first_token)
         ordered = [chunks[index] for index in order]
         metadata = AttentionMetadata.build(
             query_lens=[len(chunk.token_ids) for chunk in ordered],
@@ -144,6 +154,26 @@ class ModelRunner:
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            logits_order=logits_order,
+            logits_indices=torch.tensor(sampling_rows + prompt_rows, dtype=torch.int64,
+                                        device=self.device),
+            num_sampling_rows=len(sampling_rows),
         )
+
+
+def _logits_rows(
+    chunks: Sequence[ModelChunk], first_token: list[int]
+) -> tuple[list[int], list[int]]:
+    """Flat-batch rows whose logits the chunks ask for, in the caller's chunk order: the
+    sampling rows (each chunk's last token, `num_samples` times), and the prompt-logprob rows."""
+    sampling_rows: list[int] = []
+    prompt_rows: list[int] = []
+    for chunk, first in zip(chunks, first_token, strict=True):
+        last = first + len(chunk.token_ids) - 1
+        sampling_rows.extend([last] * chunk.num_samples)
+        positions = chunk.prompt_logprob_positions
+        if positions:
+            start = chunk.num_computed_tokens
+            assert start <= positions.start and positions.stop <= start + len(chunk.token_ids)
+            offset = first - start
+            prompt_rows.extend(range(positions.start + offset, positions.stop + offset))
+    return sampling_rows, prompt_rows

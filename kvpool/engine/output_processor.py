@@ -7,12 +7,18 @@ and says whether the sequence stops. Rules, in this order (stop tokens and stop 
 once `min_tokens` outputs exist):
 1. a stop token id, or EOS unless `ignore_eos`: "stop"; the token's text is not added;
 2. a stop string that the new text completes (an occurrence ending in the text this token
-   added, looked for per stop string): "stop"; the text is cut just before it;
+   added, looked for per stop string): "stop"; the text is cut just before it, or just after
+   it with `include_stop_str_in_output` (then at the stop string that ends first);
 3. `max_tokens` outputs, or the sequence reaching `max_model_len`: "length".
 
 While a request with stop strings runs, its visible text holds back the last
 `len(longest stop string) - 1` characters, which might yet turn out to start a stop string,
-so text once handed out never has to be taken back.
+so text once handed out never has to be taken back. With `include_stop_str_in_output` nothing
+is held back (as in vLLM): the cut falls after a stop string that ends in the newest text, so
+past everything handed out before.
+
+Prompt logprobs (`add_prompt_logprobs`, from each step's prompt-logprob rows) accumulate per
+request; they are handed out once complete, in every output, or only the first with DELTA.
 
 Outputs follow the request's `SamplingParams.output_kind` (vLLM's `RequestOutputKind`):
 CUMULATIVE hands out everything so far each time; DELTA only what is new since the previous
@@ -24,14 +30,22 @@ once its final output is made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
 
 from kvpool.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpool.engine.prompt_logprobs import prompt_logprobs_of
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.engine.scheduler import StopDecision
+from kvpool.engine.scheduler_output import ScheduledChunk
 from kvpool.engine.sequence import FinishReason, Request, Sequence
 from kvpool.model.detokenizer import IncrementalDetokenizer
 from kvpool.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -47,6 +61,14 @@ class _OutputState:
     is_flushed: bool = False
 
 
+@dataclass(slots=True)
+class _PromptLogprobs:
+    """A request's prompt logprobs so far (entry 0, the first token's, is None)."""
+
+    entries: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
+    is_sent: bool = False  # DELTA: the first output carried them
+
+
 class OutputProcessor:
     def __init__(
         self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int
@@ -55,6 +77,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._states: dict[Sequence, _OutputState] = {}
+        self._prompt_logprobs: dict[Request, _PromptLogprobs] = {}
 
     def _state(self, seq: Sequence) -> _OutputState:
         state = self._states.get(seq)
@@ -71,21 +94,30 @@ class OutputProcessor:
         self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None
     ) -> StopDecision | None:
         """Record the token `seq` just got (already appended to it); return why the sequence
-        stops, or None."""
+        stops, or None. A structured sequence's grammar advances first: a token it rejects
+        (only possible when it masked every token) stops the sequence, and so does a grammar
+        that has ended (its stop token accepted where EOS does not stop, e.g. ignore_eos)."""
         params = seq.request.params
         state = self._state(seq)
         if state.logprobs is not None and logprobs is not None:
             state.logprobs.append(self._decorate(logprobs))
             state.cumulative_logprob += logprobs[token_id].logprob
+        if seq.matcher is not None and not seq.matcher.accept(token_id):
+            logger.warning("request %s: its grammar rejected token %d (every token was masked)"
+                           "; stopping", seq.request.request_id, token_id)
+            return FinishReason.STOP, None
         may_stop = len(seq.output_token_ids) >= params.min_tokens
         if may_stop and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
         if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP, None
+        if seq.matcher is not None and seq.matcher.is_terminated:
+            return FinishReason.STOP, None
         delta = state.detokenizer.add(token_id) if state.detokenizer is not None else ""
         state.text += delta
         if may_stop and params.stop and delta:
-            stop_string = _cut_at_stop_string(state, len(delta), params.stop)
+            stop_string = _cut_at_stop_string(state, len(delta), params.stop,
+                                              params.include_stop_str_in_output)
             if stop_string is not None:
                 return FinishReason.STOP, stop_string
         if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
@@ -102,6 +134,35 @@ class OutputProcessor:
             for token_id, entry in logprobs.items()
         }
 
+    # ------------------------------------------------------------ prompt logprobs
+    def add_prompt_logprobs(
+        self, chunks: Iterable[ScheduledChunk], logits: torch.Tensor  # [num_prompt_rows, vocab]
+    ) -> None:
+        """Record the entries a step's prompt-logprob rows give (every chunk's rows of its
+        `prompt_logprob_positions`, chunk after chunk). All are computed before any is kept,
+        so a step that fails here leaves nothing half-recorded."""
+        decorated = [(result.request, result.first_entry,
+                      [self._decorate(entry) for entry in result.entries])
+                     for result in prompt_logprobs_of(chunks, logits)]
+        for request, first_entry, entries in decorated:
+            record = self._prompt_logprobs.setdefault(request, _PromptLogprobs())
+            assert len(record.entries) == first_entry, "prompt logprobs out of order"
+            record.entries.extend(entries)
+
+    def _prompt_logprobs_out(
+        self, request: Request, kind: RequestOutputKind
+    ) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs, once complete (None before, or when not asked)."""
+        if request.params.prompt_logprobs is None:
+            return None
+        record = self._prompt_logprobs.setdefault(request, _PromptLogprobs())
+        if record.is_sent or len(record.entries) < len(request.prompt_token_ids):
+            return None
+        entries = record.entries
+        if kind is RequestOutputKind.DELTA:
+            record.is_sent, record.entries = True, []
+        return entries
+
     # ----------------------------------------------------------------- outputs
     def make_output(self, request: Request) -> RequestOutput | None:
         """The request's output now, as its output kind asks (None: nothing to hand out yet,
@@ -111,9 +172,11 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not is_finished:
             return None
         completions = [self._completion(seq, kind) for seq in request.sequences]
+        prompt_logprobs = self._prompt_logprobs_out(request, kind)
         if is_finished:
             for seq in request.sequences:
                 self._states.pop(seq, None)
+            self._prompt_logprobs.pop(request, None)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -121,9 +184,8 @@ class OutputProcessor:
             outputs=completions,
             finished=is_finished,
             num_cached_tokens=request.num_cached_tokens or 0,
-            metrics=RequestMetrics(
-                request.arrival_time, request.first_token_time, request.finish_time
-            ),
+            metrics=_take_metrics(request),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:
@@ -152,20 +214,40 @@ class OutputProcessor:
         )
 
 
+def _take_metrics(request: Request) -> RequestMetrics:
+    """The request's times, handing out (and clearing) the inter-token gaps recorded since
+    its previous output, so that each gap is handed out once."""
+    gaps, request.inter_token_latencies = tuple(request.inter_token_latencies), []
+    return RequestMetrics(
+        request.arrival_time, request.first_token_time, request.finish_time,
+        first_scheduled_time=request.first_scheduled_time,
+        last_token_time=request.last_token_time, inter_token_latencies=gaps,
+    )
+
+
 def _holdback(params: SamplingParams) -> int:
+    if params.include_stop_str_in_output:
+        return 0
     return max(len(stop) for stop in params.stop) - 1
 
 
-def _cut_at_stop_string(state: _OutputState, delta_len: int, stops: list[str]) -> str | None:
-    """Cut the text before the earliest stop string that the newest `delta_len` characters
-    complete; each stop string is looked for only where it would end in them."""
+def _cut_at_stop_string(
+    state: _OutputState, delta_len: int, stops: list[str], include: bool
+) -> str | None:
+    """Cut the text at a stop string that the newest `delta_len` characters complete: before
+    the earliest-starting one, or (`include`) after the earliest-ending one, so the text ends
+    where generation should have stopped. Each stop string is looked for only where it would
+    end in the newest characters."""
     text = state.text
-    found: tuple[int, str] | None = None
+    found: tuple[int, int, str] | None = None  # (cut, start, stop string)
     for stop in stops:
         position = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
-        if position != -1 and (found is None or position < found[0]):
-            found = (position, stop)
+        if position == -1:
+            continue
+        cut = position + len(stop) if include else position
+        if found is None or (cut, position) < found[:2]:
+            found = (cut, position, stop)
     if found is None:
         return None
     state.text = text[: found[0]]
-    return found[1]
+    return found[2]

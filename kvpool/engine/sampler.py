@@ -1,23 +1,35 @@
 """Turns a step's logits into next tokens, one row per sequence, vectorised over the batch.
 
 Order of operations on each row (float32):
-1. log-probabilities of the raw logits, for the rows that asked for `logprobs`;
-2. penalties: repetition (prompt and output tokens), presence and frequency (output tokens),
+1. log-probabilities of the raw logits, for the rows that asked for `logprobs` (nothing
+   below changes them);
+2. what a row may not generate, set to -inf: tokens outside its grammar (structured
+   outputs: one int32 bitmask of the constrained rows, filled by their matchers and
+   applied to all of them at once), tokens outside its `allowed_token_ids`, its bad words' last
+   tokens where the output so far ends with the rest of the word, and its stop tokens while
+   it is below `min_tokens`. Nothing later can lift a -inf (a bias or penalty keeps it -inf);
+3. `logit_bias`, added (OpenAI's and vLLM's place for it: before penalties and temperature);
+4. penalties: repetition (prompt and output tokens), presence and frequency (output tokens),
    counted for all penalised rows at once by one scatter-add;
-3. stop tokens banned while a row is below its `min_tokens`;
-4. greedy rows: the argmax of the finite logits. Random rows: temperature, top-k, top-p, min-p,
+5. greedy rows: the argmax of the finite logits. Random rows: temperature, top-k, top-p, min-p,
    then one draw by the exponential race (argmax of p / q with q ~ Exp(1)), which equals
    sampling from p and lets each seeded row draw q from its own generator while unseeded rows
    share one draw. A row whose probabilities come out NaN, infinite or all zero falls back to
    the argmax of its finite logits rather than to whatever index argmax gives NaN (token 0).
+   A row with every token forbidden gets an arbitrary token; its grammar matcher then
+   rejects it and the sequence ends.
 
-Device: every tensor made here lives on the logits' device, and nothing in steps 2-4 reads a
+Device: every tensor made here lives on the logits' device, and nothing in steps 2-5 reads a
 value back to the host, so `choose_token_ids` runs on any device (the tests run it on "meta");
-the host reads the chosen ids once, and the logprobs of the rows that asked. The generator that
-unseeded rows share is made per device, seeded with the sampler's seed; a seeded row brings
-its own generator, which must be on the logits' device.
+the host reads the chosen ids once, and the logprobs of the rows that asked. The one
+exception is the grammar bitmask, which xgrammar fills in host memory: it is copied to the
+device once per step that has a constrained row. The generator that unseeded rows share is
+made per device, seeded with the sampler's seed; a seeded row brings its own generator,
+which must be on the logits' device.
 
-Work that no row needs (sorting for top-k/top-p, penalty counts) is skipped entirely.
+Steps 2 and 3 live in `kvpool.engine.logits_constraints`. Work that no row needs (the
+bitmask, sorting for top-k/top-p, penalty counts) is skipped entirely: a batch without
+constrained rows never touches a matcher or a bitmask.
 """
 
 from __future__ import annotations
@@ -28,6 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.engine.logits_constraints import (
+    TokenMask,
+    apply_allowed_token_ids,
+    apply_grammar_bitmask,
+    apply_logit_bias,
+    bad_word_bans,
+)
 from kvpool.engine.outputs import Logprob
 from kvpool.engine.sampling_params import SamplingParams
 
@@ -41,6 +60,8 @@ class SamplingRow:
     output_token_ids: SequenceOf[int]
     generator: torch.Generator | None  # on the logits' device, for a seeded row
     banned_token_ids: tuple[int, ...] = ()  # stop tokens while below min_tokens
+    matcher: TokenMask | None = None  # the sequence's grammar (structured outputs)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # each bad word, as token ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +103,18 @@ class Sampler:
 def choose_token_ids(
     logits: torch.Tensor, rows: SequenceOf[SamplingRow], generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Steps 2-4 on the device: the next token of every row, [num_rows] int64.
+    """Steps 2-5 on the device: the next token of every row, [num_rows] int64.
 
     `generator` draws the unseeded rows' noise (None: the device's default generator).
     """
-    # Penalties and bans write in place: copy, so that the caller's logits stay raw.
-    needs_writes = any(row.params.has_penalties or row.banned_token_ids for row in rows)
+    # Masks, biases and penalties write in place: copy, so that the caller's logits stay raw.
+    needs_writes = any(_writes_logits(row) for row in rows)
     logits = logits.to(torch.float32, copy=needs_writes)  # [num_rows, vocab]
-    apply_penalties(logits, rows)
+    apply_grammar_bitmask(logits, rows)
+    apply_allowed_token_ids(logits, rows)
     _ban_tokens(logits, rows)
+    apply_logit_bias(logits, rows)
+    apply_penalties(logits, rows)
     # Greedy rows' answer, and the fallback of random rows whose probabilities are unusable.
     token_ids = _finite_argmax(logits)
     random_rows = [index for index, row in enumerate(rows) if not row.params.is_greedy]
@@ -99,6 +123,13 @@ def choose_token_ids(
         subset = [rows[row_index] for row_index in random_rows]
         token_ids[index] = _sample(logits[index], subset, generator, fallback=token_ids[index])
     return token_ids
+
+
+def _writes_logits(row: SamplingRow) -> bool:
+    params = row.params
+    return bool(params.has_penalties or row.banned_token_ids or row.matcher is not None
+                or params.logit_bias or params.allowed_token_ids is not None
+                or row.bad_words_token_ids)
 
 
 def raw_logprobs_of(logits: torch.Tensor, row_indices: list[int]) -> torch.Tensor:
@@ -114,8 +145,11 @@ def _finite_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _ban_tokens(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> None:
+    """-inf, in place, for the stop tokens of rows below `min_tokens` and for bad words."""
     pairs = [
-        (index, token_id) for index, row in enumerate(rows) for token_id in row.banned_token_ids
+        (index, token_id)
+        for index, row in enumerate(rows)
+        for token_id in itertools.chain(row.banned_token_ids, bad_word_bans(row))
     ]
     if pairs:
         row_ids, token_ids = torch.tensor(pairs, device=logits.device).unbind(dim=1)

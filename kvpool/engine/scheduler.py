@@ -16,10 +16,14 @@ One step's batch, formed by `schedule()`:
    is admitted in a step that had to preempt. A request with n > 1 takes n seats at admission:
    its other n - 1 sequences are forked from it once its prompt is computed.
 
+Each chunk also names the positions whose logits the step must return for prompt logprobs
+(`kvpool.engine.prompt_logprobs.chunk_positions`: the request's pending ones among the chunk's).
+
 After the model ran and the sampler chose tokens, `update()` does the rest of the step:
-mark what was computed, fork the n - 1 siblings of each prompt that just completed (all n
-sample their first token from the same logits), append every sampled token, ask the stop rules
-(`StopChecker`, the output processor) whether each sequence is done, and free the finished.
+mark what was computed (prompt logprob positions too), fork the n - 1 siblings of each prompt
+that just completed (all n sample their first token from the same logits), append every sampled
+token, ask the stop rules (`StopChecker`, the output processor) whether each sequence is done,
+and free the finished.
 A step that failed before its update is undone by `roll_back()`: its sequences are requeued
 with their KV dropped, so no slot reserved for a step that never ran survives.
 
@@ -34,14 +38,17 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.outputs import Logprob
 from kvpool.engine.preemption import HYSTERESIS_STEPS, RECOMPUTE
+from kvpool.engine.prompt_logprobs import chunk_positions
 from kvpool.engine.sampler import SamplerOutput
+from kvpool.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 from kvpool.engine.waiting_queue import WaitingQueue
 from kvpool.memory.block_table import BlockCopy
@@ -67,59 +74,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """`token_ids`, the next tokens of `seq` after its first `num_computed_tokens`.
-
-    `num_samples`: the logits rows the step computes for this chunk: 0 while a prompt's prefill
-    is unfinished, 1 when the chunk reaches the sequence's last token, n when that completes
-    the prompt of a request still to fork (one row per future sibling). Fixed when scheduled:
-    the sequence grows once the step is done.
-    """
-
-    seq: Sequence
-    num_computed_tokens: int
-    token_ids: list[int]
-    num_samples: int
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def completes_sequence(self) -> bool:
-        return self.num_samples > 0
-
-    @property
-    def block_ids(self) -> list[int]:
-        return self.seq.block_table.block_ids
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    length_capped: list[Sequence] = field(default_factory=list)  # outgrew the whole pool
-
-    def written_block_ids(self) -> set[int]:
-        """The device blocks the step writes: its new tokens' slots' blocks and its block
-        copies' destinations (asked by the KV tiers on CUDA, to order their copies)."""
-        written = {copy.dst_block_id for copy in self.block_copies}
-        for chunk in self.chunks:
-            size = chunk.seq.block_table.block_size
-            first = chunk.num_computed_tokens // size
-            last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // size
-            written.update(chunk.block_ids[first : last + 1])
-        return written
-
-    def sampled_sequences(self) -> list[tuple[Sequence, int]]:
-        """(chunk's sequence, completion index) per logits row, in row order; an index not yet
-        among the request's sequences is a sibling `update` forks."""
-        return [(chunk.seq, chunk.seq.index + sample)
-                for chunk in self.chunks for sample in range(chunk.num_samples)]
 
 
 class Scheduler:
@@ -195,10 +149,12 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, token_ids: list[int]) -> ScheduledChunk:
         start = seq.num_computed_tokens
+        end = start + len(token_ids)
         num_samples = 0
-        if start + len(token_ids) == seq.num_tokens:
+        if end == seq.num_tokens:
             num_samples = seq.request.params.n if seq.request.needs_fork else 1
-        return ScheduledChunk(seq, start, token_ids, num_samples)
+        return ScheduledChunk(seq, start, token_ids, num_samples,
+                              chunk_positions(seq.request, start, end))
 
     def _reserve_slots(
         self, seq: Sequence, token_ids: list[int], output: SchedulerOutput
@@ -258,8 +214,9 @@ class Scheduler:
                 return
             self.waiting.pop()
             output.block_copies.extend(self.kv.admit(seq, plan))
-            if seq.request.num_cached_tokens is None:
+            if seq.request.num_cached_tokens is None:  # its first admission
                 seq.request.num_cached_tokens = plan.num_cached_tokens
+                seq.request.first_scheduled_time = time.monotonic()
             num_seats += _num_seats(seq)
             self._add_running(seq)
             start = seq.num_computed_tokens
@@ -274,6 +231,8 @@ class Scheduler:
         for chunk in batch.chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self.kv.mark_computed(chunk.seq)
+            if chunk.prompt_logprob_positions:
+                chunk.seq.request.num_prompt_logprob_positions = chunk.prompt_logprob_positions.stop
         touched = {seq.request.request_id: seq.request for seq in batch.length_capped}
         rows = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
         for chunk in batch.chunks:

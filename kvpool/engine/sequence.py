@@ -36,6 +36,8 @@ from kvpool.memory.prefix_cache import BlockHash, SaltKey
 if TYPE_CHECKING:
     import torch
 
+    from kvpool.engine.grammar import GrammarMatcher
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not yet admitted, or preempted (its KV dropped) and waiting again
@@ -77,6 +79,11 @@ class Sequence:
         return self.request.generators[self.index]
 
     @property
+    def matcher(self) -> GrammarMatcher | None:
+        """This completion's grammar state (None: its output is not constrained)."""
+        return self.request.matchers[self.index] if self.request.matchers else None
+
+    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
@@ -109,7 +116,9 @@ class Request:
 
     `salt` is the hashing form of `cache_salt` (`kvpool.memory.prefix_cache.salt_key`);
     `generators[i]` is completion i's random stream, made on the model's device when the
-    request is made, so a completion not yet forked can already be sampled.
+    request is made, so a completion not yet forked can already be sampled; likewise
+    `matchers[i]`, completion i's grammar matcher (empty without structured outputs), which
+    advances with each of its output tokens.
     """
 
     request_id: str
@@ -121,10 +130,26 @@ class Request:
     generators: tuple[torch.Generator | None, ...]
     priority: int = 0
     cache_salt: str | None = None
+    matchers: tuple[GrammarMatcher, ...] = ()  # structured outputs: completion i's grammar
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # `params.bad_words`, tokenized once
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, set at admission
+    num_prompt_logprob_positions: int = 0  # prompt positions whose logits gave prompt logprobs
+    first_scheduled_time: float | None = None  # first admission to a batch (not re-admissions)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)  # not yet handed out
+
+    def record_new_tokens(self, now: float) -> None:
+        """A step that ended at `now` gave this request new tokens: the first such step sets
+        `first_token_time`, each later one adds its gap since the previous one (vLLM's
+        inter-token interval, per request and step, preemptions included)."""
+        if self.last_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
 
     @property
     def needs_fork(self) -> bool:

@@ -7,6 +7,10 @@ Sizing rule, first match wins:
    after loading the weights, minus a reserve for a step's activations;
 4. on the CPU: 2 GiB.
 
+The model's sampling defaults are decided here too: the sampling fields of its generation
+config (`config.generation_config`, "auto" by default, and `override_generation_config`; see
+`kvpool.engine.generation_config`), checked once as `SamplingParams`.
+
 The model's dtype is decided here, once: `config.dtype` ("auto" by default) becomes a torch
 dtype for the device (`kvpool.model.dtype.resolve_dtype`); the KV cache takes the model's,
 unless `kv_cache_dtype` names another (int8 and fp8 add a scale pool: `kvpool.memory.kv_quant`).
@@ -27,12 +31,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvpool.attention.selector import get_attention_backend
 from kvpool.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from kvpool.engine.generation_config import default_sampling_params
+from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KVLayout
@@ -41,6 +48,7 @@ from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import AUTO, resolve_dtype
 from kvpool.model.loaders.auto import load_model
 from kvpool.model.loaders.base import LoadedModel
+from kvpool.model.loaders.hub import resolve_model_path
 from kvpool.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -58,6 +66,8 @@ class EngineParts:
     dtype: torch.dtype  # the model's and its KV cache's: "auto" resolved
     max_model_len: int
     kv_memory: KVMemory
+    # SamplingParams field -> value for the fields the model's generation config sets
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,7 +120,23 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         disk=_disk_tier(config, layout, dtype),
     )
     return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
-                       max_model_len, kv_memory)
+                       max_model_len, kv_memory, _sampling_defaults(config, loaded))
+
+
+def _sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> dict[str, Any]:
+    """The model's request defaults (see the module docstring), checked as SamplingParams so
+    a bad generation config fails at start-up rather than in every request."""
+    defaults = default_sampling_params(config.generation_config, loaded.generation_config,
+                                       config.override_generation_config)
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"the generation config's sampling defaults {defaults} are invalid "
+                         f"({error}); pass generation_config='vllm' to ignore them") from None
+    if defaults:
+        logger.info("requests default to the generation config's %s (generation_config=%r)",
+                    defaults, config.generation_config)
+    return defaults
 
 
 def _disk_tier(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> DiskKVTier | None:
@@ -119,8 +145,8 @@ def _disk_tier(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> Di
     if config.kv_disk_cache is None:
         return None
     model = config.model or "bundled:SmolLM2-135M-Instruct"
-    if os.path.exists(model):
-        model = os.path.realpath(model)
+    if config.model is not None and os.path.exists(resolve_model_path(model)):
+        model = os.path.realpath(resolve_model_path(model))  # a Hub id: its snapshot
     namespace = "|".join([
         f"model={model}", f"load_format={config.load_format}", f"dtype={dtype}",
         f"seed={config.seed}" if config.load_format == "dummy" else "weights",

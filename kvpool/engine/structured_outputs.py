@@ -4,7 +4,8 @@ of strings, or a grammar (vLLM's `StructuredOutputsParams`, same names and meani
 Exactly one kind is given. The spec is only a description: compiling it into a grammar and
 keeping per-sequence matcher state is `kvpool.engine.grammar`'s job. `key` is the spec in a
 canonical, hashable form, so equal schemas share one compiled grammar however their JSON was
-spelled (key order, whitespace).
+spelled (whitespace, a dict or its text). A schema's key order is kept: it is the order the
+object's properties are generated in, so it is part of what the schema asks for.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class StructuredOutputsParams:
         value = self._value(kind)
         if kind == "json":
             schema = json.loads(value) if isinstance(value, str) else value
-            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return kind, json.dumps(schema, separators=(",", ":"))
         if kind == "choice":
             return kind, json.dumps(value)
         if kind == "json_object":

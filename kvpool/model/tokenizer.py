@@ -89,8 +89,9 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> list[int] | str:
         """Render `messages` with the model's chat template; token ids, or the text if
-        `tokenize` is False. Special tokens come from the template, so none are added."""
-        if not self.has_chat_template:
+        `tokenize` is False. Special tokens come from the template, so none are added. A
+        `chat_template=` argument (a Jinja string) replaces the tokenizer's own."""
+        if not (self.has_chat_template or template_kwargs.get("chat_template")):
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
         text = self.hf_tokenizer.apply_chat_template(
             [dict(message) for message in messages],

@@ -1,7 +1,8 @@
 """`build_app(engine, config)`: the FastAPI application around a running `AsyncLLMEngine`.
 
 Request path: AuthMiddleware (401 before any work) → BodyLimitMiddleware (413) → FastAPI
-(validation errors become OpenAI-shaped 400s) → routes. On shutdown (the lifespan's end) the
+(validation errors become OpenAI-shaped 400s) → routes (generation: routes.py; models,
+tokenize, version, ping: utility_routes.py). On shutdown (the lifespan's end) the
 engine is given what is left of the grace period, then stopped.
 """
 
@@ -15,13 +16,15 @@ from typing import Any
 
 from fastapi import FastAPI
 
+import kvpool
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.server.config import ServerConfig
 from kvpool.server.errors import install_error_handlers
 from kvpool.server.generation import ServerState
 from kvpool.server.metrics import ServerMetrics
-from kvpool.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from kvpool.server.middleware import AccessPolicy, AuthMiddleware, BodyLimitMiddleware
 from kvpool.server.routes import router
+from kvpool.server.utility_routes import router as utility_router
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -40,7 +43,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     app = FastAPI(
         title="kvpool",
         summary="OpenAI-compatible LLM server on a paged KV-cache pool",
-        version="0.1.0",
+        version=kvpool.__version__,
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
@@ -48,9 +51,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     app.state.kvpool = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(utility_router)
     # Added last = runs first: authentication before the body is even read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
-    app.add_middleware(AuthMiddleware, keys=config.api_keys)
+    policy = AccessPolicy(config.api_keys, config.metrics_api_keys,
+                          config.allow_unauthenticated_metrics)
+    app.add_middleware(AuthMiddleware, policy=policy)
     _drop_422_from_openapi(app)
     return app
 

@@ -1,9 +1,12 @@
 """API keys, the tenants they name, and the prefix-cache salt derived from a tenant.
 
-Keys come from `--api-key` (tenant "default") and `--api-key-file`, one `tenant:key` per line
-(blank lines and `#` comments skipped). Only SHA-256 digests of the keys are kept, and a
-presented key is compared with every digest using `hmac.compare_digest`, without stopping at a
-match, so the time taken says nothing about which key (or how much of one) matched.
+Keys come from `--api-key` (tenant "default"; the flag may repeat, and without it the
+`KVPOOL_API_KEY` or `VLLM_API_KEY` environment variable gives one) and `--api-key-file`, one
+`tenant:key` per line (blank lines and `#` comments skipped). `--metrics-api-key` is a key of
+its own tenant, "metrics", that the middleware accepts on /metrics only. Only SHA-256 digests
+of the keys are kept, and a presented key is compared with every digest using
+`hmac.compare_digest`, without stopping at a match, so the time taken says nothing about which
+key (or how much of one) matched.
 
 Isolation: the salt the engine folds into every block hash is derived here, on the server, from
 the authenticated tenant; a client's `cache_salt` can only be appended to it (narrowing the
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.engine.errors import InvalidRequestError
 
 DEFAULT_TENANT = "default"
+METRICS_TENANT = "metrics"  # the tenant of --metrics-api-key (accepted on /metrics only)
 MAX_CLIENT_SALT_CHARS = 256
 
 
@@ -45,9 +50,13 @@ class ApiKeyTable:
         return cls(tuple(entries))
 
     @classmethod
-    def from_config(cls, api_key: str | None, api_key_file: str | Path | None) -> ApiKeyTable:
-        """From `--api-key` and `--api-key-file` (either, both or neither)."""
-        tenant_keys = [(DEFAULT_TENANT, api_key)] if api_key else []
+    def from_config(
+        cls, api_keys: Sequence[str] | str | None = (), api_key_file: str | Path | None = None
+    ) -> ApiKeyTable:
+        """From `--api-key` (each key names tenant "default"; a lone string is one key, None
+        none) and `--api-key-file` (either, both or neither)."""
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
+        tenant_keys = [(DEFAULT_TENANT, key) for key in keys]
         if api_key_file is not None:
             tenant_keys += parse_key_file(Path(api_key_file).read_text(encoding="utf-8"))
         return cls.from_keys(tenant_keys)

@@ -25,10 +25,17 @@ class ServerConfig:
     work to keep a full batch busy through many rounds of admission, while a burst past it is
     told to back off instead of sitting minutes in the scheduler's waiting list (with its
     prompts in memory). None: no limit.
+
+    `/metrics` needs a key whenever the other routes do. `metrics_api_keys` (from
+    `--metrics-api-key`) are accepted there too, and only there, so Prometheus can scrape
+    without a tenant's key; `allow_unauthenticated_metrics` opens /metrics to anyone. The two
+    contradict each other, so giving both is an error.
     """
 
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
     api_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
+    metrics_api_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
+    allow_unauthenticated_metrics: bool = False
     max_concurrent_requests: int | None = 1024
     max_queued_sequences: int | None = 4096  # prompts × n, summed over requests in flight
     max_request_bytes: int = 4 * 1024 * 1024
@@ -38,6 +45,8 @@ class ServerConfig:
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
     shutdown_grace_seconds: float = 30.0
+    chat_template: str | None = None  # Jinja text replacing the model's (--chat-template)
+    tool_call_parser: str = "hermes"  # how tool calls are read from output (--tool-call-parser)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -57,6 +66,14 @@ class ServerConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.max_logprobs < 0 or self.shutdown_grace_seconds < 0:
             raise ValueError("max_logprobs and shutdown_grace_seconds must be >= 0")
+        from kvpool.server.tools import tool_parser_names
+
+        if self.tool_call_parser not in tool_parser_names():
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: "
+                             f"{', '.join(tool_parser_names())})")
+        if self.metrics_api_keys.is_enabled and self.allow_unauthenticated_metrics:
+            raise ValueError("give either a metrics API key or allow unauthenticated metrics, "
+                             "not both")
 
     @property
     def model_name(self) -> str:

@@ -1,5 +1,8 @@
-"""Every error the server returns, in OpenAI's shape:
-`{"error": {"message", "type", "param", "code"}}`.
+"""Every error the server returns, in OpenAI's shape as vLLM fills it:
+`{"error": {"message", "type", "param", "code"}}`, where `code` is the HTTP status as an integer
+(vLLM's `ErrorInfo.code`) and `type` is OpenAI's error type for that status. vLLM's errors carry
+no finer machine-readable reason, and neither do these: a client tells a missing key from a
+wrong one, or a context overflow from another 400, by `param` and the message.
 
 FastAPI's own errors (422 validation, 404 route, 405 method, body parse failures) are converted
 here, so no response ever carries FastAPI's `{"detail": ...}`. Messages are cut to
@@ -46,7 +49,6 @@ class OpenAIError(Exception):
         status_code: int,
         message: str,
         param: str | None = None,
-        code: str | None = None,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -55,7 +57,6 @@ class OpenAIError(Exception):
         self.status_code = status_code
         self.message = message
         self.param = param
-        self.code = code
         self.error_type = error_type or _TYPE_BY_STATUS.get(status_code, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
@@ -63,7 +64,7 @@ class OpenAIError(Exception):
             message=_encodable(truncate(self.message)),
             type=self.error_type,
             param=None if self.param is None else _encodable(truncate(self.param, 64)),
-            code=self.code,
+            code=self.status_code,
         )
         return ErrorResponse(error=detail).model_dump()
 
@@ -72,8 +73,8 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param, code)
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param)
 
 
 def truncate(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -123,8 +124,7 @@ async def _http_error(request: Request, error: Exception) -> JSONResponse:
         405: "method not allowed on this route",
         413: "the request body is too large",
     }.get(status, "request failed")
-    code = "request_too_large" if status == 413 else None
-    return OpenAIError(status, message, code=code).response(headers=error.headers)
+    return OpenAIError(status, message).response(headers=error.headers)
 
 
 async def _internal_error(request: Request, error: Exception) -> JSONResponse:

@@ -11,8 +11,11 @@
 Every route closes its generation on every path (a `finally`, or the streaming response's
 background task), so a disconnected client's blocks go back to the pool at the engine thread's
 next iteration, and no slot leaks. The generation counts each completion's tokens as outputs
-pass (a DELTA output carries only the new ones): a stream's usage and the per-token latency
-metric are computed from those counts.
+pass (a DELTA output carries only the new ones): a stream's usage and the per-request token
+metrics are computed from those counts. Every output is shown to the metrics as it passes, for
+the inter-token gaps it carries (the engine's step times, not the time the output reached
+the event loop: that is what vLLM's inter-token latency measures, and it works the same for a
+whole response, whose one output carries all its gaps).
 """
 
 from __future__ import annotations
@@ -60,19 +63,15 @@ class ServerState:
         name is cut to 64 characters in the message, as OpenAI's own message cuts it."""
         if name is None or name in self.config.served_model_names:
             return name or self.config.model_name
-        raise OpenAIError(
-            404, f"the model `{truncate(name, 64)}` does not exist", "model", "model_not_found"
-        )
+        raise OpenAIError(404, f"the model `{truncate(name, 64)}` does not exist", "model")
 
     def begin(self) -> Generation:
         if not self.engine.is_accepting or self.shutdown_started_at is not None:
-            raise OpenAIError(503, "the server is shutting down", code="service_unavailable")
+            raise OpenAIError(503, "the server is shutting down")
         limit = self.config.max_concurrent_requests
         if limit is not None and self.num_in_flight >= limit:
-            raise OpenAIError(
-                429, f"more than {limit} concurrent requests; retry later",
-                code="rate_limit_exceeded", headers=dict(RETRY_AFTER),
-            )
+            raise OpenAIError(429, f"more than {limit} concurrent requests; retry later",
+                              headers=dict(RETRY_AFTER))
         self.num_in_flight += 1
         return Generation(self)
 
@@ -87,7 +86,7 @@ class ServerState:
         if limit is not None and self.num_sequences_in_flight + num_sequences > limit:
             raise OpenAIError(
                 429, f"more than {limit} sequences (prompts × n) in flight; retry later",
-                code="rate_limit_exceeded", headers=dict(RETRY_AFTER),
+                headers=dict(RETRY_AFTER),
             )
         self.num_sequences_in_flight += num_sequences
 
@@ -121,7 +120,8 @@ class Generation:
         self._num_sequences = num_sequences
         adds = [
             self.state.engine.add_request(
-                prompt.as_engine_input(), params, f"{request_id}-{index}", cache_salt=cache_salt
+                prompt.as_engine_input(), params, f"{request_id}-{index}",
+                priority=inputs.priority, cache_salt=cache_salt,
             )
             for index, (prompt, params) in enumerate(zip(inputs.prompts, inputs.params,
                                                          strict=True))
@@ -162,9 +162,10 @@ class Generation:
         counts = self.num_output_tokens[index]
         for completion in output.outputs:
             counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+        self.state.metrics.observe_output(output)
         if output.finished:
             self.finals[index] = output
-            self.state.metrics.observe_finished(output, max(counts.values(), default=0))
+            self.state.metrics.observe_finished(output, counts)
 
     async def collect(self, request: Request) -> list[RequestOutput]:
         """Every prompt's final output; ClientDisconnected if the client leaves first."""
@@ -205,7 +206,7 @@ def _add_failure(error: BaseException) -> OpenAIError | None:
         logger.info("the engine refused a prompt: %s", type(error).__name__)
         return bad_request("the prompt cannot be run", "prompt")
     if isinstance(error, EngineClosedError):
-        return OpenAIError(503, "the server is shutting down", code="service_unavailable")
+        return OpenAIError(503, "the server is shutting down")
     return None
 
 

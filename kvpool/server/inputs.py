@@ -1,22 +1,29 @@
 """From an OpenAI request body to engine inputs: token ids and `SamplingParams` per prompt.
 
-Every check that can fail on user input lives here and raises `OpenAIError` 400 with the
+Every check that can fail on user input lives here (and in `chat_inputs.py`,
+`structured.py`, `unsupported.py`, `tools/choice.py`) and raises `OpenAIError` 400 with the
 parameter named: empty or too many prompts, a prompt that fills the context, `max_tokens`
-beyond what the context leaves, `n`/`logprobs`/stop limits, unsupported options, and the range
-checks of `SamplingParams` (its `InvalidRequestError`: the message as it is, the field from its
-`param`). No message includes the client's value; numbers the server computed (context
-lengths, token counts) are fine.
+beyond the context, `n`/`logprobs`/stop limits, fields kvpool does not honour, constraints
+the grammar compiler refuses, and the range checks of `SamplingParams` (its
+`InvalidRequestError`: the message as it is, the field from its `param`). No message
+includes the client's value; numbers the server computed (context lengths, token counts)
+are fine.
+
+A request that leaves a sampling field out gets the model's default from its
+`generation_config.json` (`engine.default_sampling_params()`), else SamplingParams' own, as
+vLLM does. `max_tokens` is clamped to what the context leaves after the prompt, as vLLM does;
+only a value beyond the whole context (`max_model_len`) is an error.
 
 The output kind is chosen here too: a stream asks for `DELTA` outputs (each carries only what
 is new), a whole response for `FINAL_ONLY` (one output, at the end, with everything).
 
-Tokenization happens off the event loop (routes call these functions through a worker thread);
-the tokenizer is only read, never reconfigured, so that is safe beside the engine thread.
+Tokenization and grammar compilation happen off the event loop (routes call these functions
+through a worker thread); the tokenizer is only read, never reconfigured, so that is safe
+beside the engine thread.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +31,15 @@ from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.server.config import ServerConfig
 from kvpool.server.errors import bad_request
-from kvpool.server.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    SamplingFields,
-)
-
-logger = logging.getLogger(__name__)
+from kvpool.server.protocol import CompletionRequest, SamplingFields
+from kvpool.server.structured import compile_constraint, request_constraint
+from kvpool.server.tools.choice import ToolPlan
+from kvpool.server.tools.parser import ToolParser
+from kvpool.server.unsupported import check_supported
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,7 @@ class EnginePrompt:
 
     text: str | None
     token_ids: list[int]
+    first_token_text: str | None = None  # echo with logprobs: position 0 has no logprob
 
     def as_engine_input(self) -> dict[str, Any]:
         return {"prompt": self.text, "prompt_token_ids": self.token_ids}
@@ -51,56 +58,57 @@ class EnginePrompt:
 class EngineInputs:
     prompts: list[EnginePrompt]
     params: list[SamplingParams]  # one per prompt: max_tokens depends on the prompt's length
+    priority: int = 0
+    echo: bool = False  # completions: the response repeats each prompt first
+    is_echo_only: bool = False  # echo with max_tokens 0: one token runs, none is returned
+    tool_plan: ToolPlan | None = None  # chat: what the tools ask for
+    output_parser: ToolParser | None = None  # chat: how the output text is read
 
 
 def completion_inputs(
-    request: CompletionRequest, tokenizer: Any, max_model_len: int, config: ServerConfig
+    request: CompletionRequest, engine: Any, config: ServerConfig
 ) -> EngineInputs:
-    if request.echo:
-        raise bad_request("echo is not supported", "echo")
-    if request.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
-    prompts = [_tokenize_prompt(prompt, tokenizer) for prompt in _prompt_list(request, config)]
+    check_supported(request)
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
+    prompts = [_tokenize_prompt(prompt, tokenizer, request.add_special_tokens)
+               for prompt in _prompt_list(request, config)]
     for prompt in prompts:
-        _check_prompt_length(len(prompt.token_ids), max_model_len, "prompt")
+        check_prompt_length(len(prompt.token_ids), max_model_len, "prompt")
     if request.logprobs is not None and not 0 <= request.logprobs <= config.max_logprobs:
         raise bad_request(f"logprobs must be in [0, {config.max_logprobs}]", "logprobs")
+    constraint = request_constraint(request)
+    if constraint is not None:
+        compile_constraint(engine, constraint)
+    echo = bool(request.echo)
+    is_echo_only = echo and request.max_tokens == 0
+    if echo:
+        prompts = [_echo_prompt(prompt, tokenizer, request.logprobs is not None)
+                   for prompt in prompts]
+    defaults = engine_defaults(engine)
+    prompt_logprobs = checked_prompt_logprobs(request, config)
+    if prompt_logprobs is None and echo:
+        prompt_logprobs = request.logprobs  # what echo with logprobs returns for the prompt
     params = [
-        _sampling_params(
-            request,
-            config,
-            _max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "max_tokens",
-                        default=DEFAULT_COMPLETION_MAX_TOKENS),
-            request.logprobs,
-            "max_tokens",
+        sampling_params(
+            request, config, defaults, "max_tokens",
+            max_tokens=1 if is_echo_only else output_budget(
+                request.max_tokens, len(prompt.token_ids), max_model_len, "max_tokens",
+                DEFAULT_COMPLETION_MAX_TOKENS),
+            logprobs=request.logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=None if constraint is None else constraint.spec,
         )
         for prompt in prompts
     ]
-    return EngineInputs(prompts, params)
+    return EngineInputs(prompts, params, request.priority, echo, is_echo_only)
 
 
-def chat_inputs(
-    request: ChatCompletionRequest, tokenizer: Any, max_model_len: int, config: ServerConfig
-) -> EngineInputs:
-    if not request.messages:
-        raise bad_request("messages must not be empty", "messages")
-    if tokenizer is None or not tokenizer.has_chat_template:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    prompt = _chat_prompt(tokenizer, request.messages)
-    _check_prompt_length(len(prompt.token_ids), max_model_len, "messages")
-    num_top = request.top_logprobs
-    if num_top is not None and not request.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-    if num_top is not None and not 0 <= num_top <= config.max_logprobs:
-        raise bad_request(f"top_logprobs must be in [0, {config.max_logprobs}]", "top_logprobs")
-    requested = request.max_completion_tokens
-    param = "max_completion_tokens"
-    if requested is None:
-        requested, param = request.max_tokens, "max_tokens"
-    max_tokens = _max_tokens(requested, len(prompt.token_ids), max_model_len, param, default=None)
-    logprobs = (num_top or 0) if request.logprobs else None
-    params = _sampling_params(request, config, max_tokens, logprobs, param)
-    return EngineInputs([prompt], [params])
+def engine_defaults(engine: Any) -> dict[str, Any]:
+    """The model's sampling defaults (generation_config.json), or none."""
+    read = getattr(engine, "default_sampling_params", None)
+    if read is None:
+        read = getattr(getattr(engine, "engine", None), "default_sampling_params", None)
+    return dict(read()) if callable(read) else {}
 
 
 # ------------------------------------------------------------------ prompts
@@ -119,99 +127,114 @@ def _prompt_list(request: CompletionRequest, config: ServerConfig) -> list[str |
     return prompts
 
 
-def _tokenize_prompt(prompt: str | list[int], tokenizer: Any) -> EnginePrompt:
+def _tokenize_prompt(prompt: str | list[int], tokenizer: Any, add_special_tokens: bool
+                     ) -> EnginePrompt:
     if not isinstance(prompt, str):
         return EnginePrompt(None, prompt)
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
     try:
-        return EnginePrompt(prompt, tokenizer.encode(prompt))
+        return EnginePrompt(prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     except (ValueError, TypeError) as error:  # e.g. a lone surrogate, not encodable
         raise bad_request("prompt: the text could not be tokenized", "prompt") from error
 
 
-def _chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> EnginePrompt:
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _content_text(m)}
-        for m in messages
-    ]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-        return EnginePrompt(text, tokenizer.encode(text, add_special_tokens=False))
-    except Exception as error:  # the template rejected the conversation (jinja raises anything)
-        logger.info("chat template failed: %s", type(error).__name__)
-        raise bad_request("the chat template cannot render these messages", "messages") from error
+def _echo_prompt(prompt: EnginePrompt, tokenizer: Any, needs_first_token: bool) -> EnginePrompt:
+    """The prompt with what echo repeats: its text (decoded, for token ids) and, for
+    logprobs, its first token's text (the one position without a logprob)."""
+    if tokenizer is None:
+        raise bad_request("echo needs a tokenizer, which this model does not have", "echo")
+    text = prompt.text
+    if text is None:
+        text = tokenizer.decode(prompt.token_ids)
+    first = tokenizer.decode(prompt.token_ids[:1]) if needs_first_token else None
+    return EnginePrompt(text, prompt.token_ids, first)
 
 
-def _content_text(message: ChatMessage) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "".join(part.text for part in message.content)
-
-
-def _check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None:
+def check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None:
     if num_tokens >= max_model_len:
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
             f"{num_tokens} tokens (room is needed for at least one output token)",
             param,
-            code="context_length_exceeded",
         )
 
 
-def _max_tokens(
+def output_budget(
     requested: int | None, num_prompt_tokens: int, max_model_len: int, param: str,
     default: int | None,
 ) -> int:
-    """The output budget: as requested if the context has room, else a 400 (the prompt's own
-    length is already checked)."""
+    """The output budget, clamped to what the context leaves after the prompt (vLLM's rule:
+    only a request beyond the whole context is an error; the prompt is already checked)."""
     room = max_model_len - num_prompt_tokens
-    if requested is None:
-        return room if default is None else min(default, room)
-    if requested > room:
+    if requested is not None and requested > max_model_len:
         raise bad_request(
-            f"this model's maximum context length is {max_model_len} tokens: the prompt has "
-            f"{num_prompt_tokens}, which leaves {room} for the completion, and {param} asks "
-            f"for more",
-            param,
-            code="context_length_exceeded",
+            f"{param} must be at most this model's maximum context length, "
+            f"{max_model_len} tokens", param,
         )
-    return requested
+    budget = default if requested is None else requested
+    return room if budget is None else min(budget, room)
 
 
 # ------------------------------------------------------------------ sampling
-def _sampling_params(
-    request: SamplingFields, config: ServerConfig, max_tokens: int, logprobs: int | None,
-    max_tokens_param: str,
+def checked_prompt_logprobs(request: SamplingFields, config: ServerConfig) -> int | None:
+    value = request.prompt_logprobs
+    if value is None:
+        return None
+    if not 0 <= value <= config.max_logprobs:
+        raise bad_request(f"prompt_logprobs must be in [0, {config.max_logprobs}]",
+                          "prompt_logprobs")
+    if request.stream:
+        raise bad_request("prompt_logprobs are not available with stream", "prompt_logprobs")
+    return value
+
+
+def sampling_params(
+    request: SamplingFields, config: ServerConfig, defaults: dict[str, Any],
+    max_tokens_param: str, **computed: Any,
 ) -> SamplingParams:
-    """The engine's parameters; `max_tokens_param` is the field the client gave the output
-    budget in (chat's `max_completion_tokens`, or `max_tokens`)."""
-    if request.n > config.max_n:
+    """The engine's parameters from the request's fields, the model's defaults for those it
+    leaves out, and what the endpoint `computed` (max_tokens, logprobs, constraint, ...);
+    `max_tokens_param` is the field the client gave the output budget in."""
+    n = request.n if request.n is not None else 1
+    if n > config.max_n:
         raise bad_request(f"n must be at most {config.max_n}", "n")
+    options = {name: getattr(request, name) for name in _SAMPLING_OPTIONS}
+    given = {name: value if value is not None else defaults.get(name)
+             for name, value in options.items()}
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    fields = {
+        "n": n, "seed": request.seed, "min_tokens": request.min_tokens,
+        "stop": _stop_strings(request, config), "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos, "output_kind": kind,
+        "logit_bias": _logit_bias(request.logit_bias),
+        "allowed_token_ids": request.allowed_token_ids, "bad_words": request.bad_words,
+        "skip_special_tokens": request.skip_special_tokens,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        **{name: value for name, value in given.items() if value is not None},
+        **computed,
+    }
+    try:
+        return SamplingParams(**fields)
+    except InvalidRequestError as error:
+        param = max_tokens_param if error.param == "max_tokens" else error.param
+        raise bad_request(str(error), param) from error
+
+
+def _stop_strings(request: SamplingFields, config: ServerConfig) -> list[str]:
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stops) > config.max_stop_strings:
         raise bad_request(f"at most {config.max_stop_strings} stop strings", "stop")
     if any(len(stop) > config.max_stop_chars for stop in stops):
         raise bad_request(f"stop strings must be at most {config.max_stop_chars} chars", "stop")
-    options = {
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
-        "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty,
-        "repetition_penalty": request.repetition_penalty,
-    }
-    given = {name: value for name, value in options.items() if value is not None}
-    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-    try:
-        return SamplingParams(
-            n=request.n, seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
-            stop=stops, ignore_eos=request.ignore_eos, logprobs=logprobs, output_kind=kind,
-            **given,
-        )
-    except InvalidRequestError as error:
-        param = max_tokens_param if error.param == "max_tokens" else error.param
-        raise bad_request(str(error), param) from error
+    return stops
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's string keys as token ids (the engine checks them against the vocabulary)."""
+    if bias is None:
+        return None
+    if not all(key.isascii() and key.isdigit() and len(key) <= 10 for key in bias):
+        raise bad_request("logit_bias keys must be token ids (non-negative integers, as "
+                          "strings)", "logit_bias")
+    return {int(key): value for key, value in bias.items()}

@@ -2,8 +2,9 @@
 
 Pool and engine figures are read at scrape time from the engine's latest snapshot (a custom
 collector: no gauge to keep in sync, and the block pool's hot paths stay free of metrics code);
-latency histograms are observed by the server as each request finishes. Every app gets its own
-`CollectorRegistry`, so several apps (tests, benchmarks) can live in one process.
+the per-request histograms (`kvpool.server.request_metrics`: latencies, phases, inter-token
+gaps, token counts) are observed by the server from what each output carries. Every app gets
+its own `CollectorRegistry`, so several apps (tests, benchmarks) can live in one process.
 
     gauges     kvpool:kv_cache_usage_perc, kvpool:num_{free,used,cached}_blocks, kvpool:num_blocks,
                kvpool:kv_cache_unfilled_slots, kvpool:num_requests_{running,waiting},
@@ -14,8 +15,10 @@ latency histograms are observed by the server as each request finishes. Every ap
                kvpool:block_{allocations,frees}_total, kvpool:engine_step_failures_total,
                kvpool:kv_pool_{grows,shrinks,migrated_blocks}_total,
                kvpool:request_success_total{finished_reason}
-    histograms kvpool:time_to_first_token_seconds, kvpool:time_per_output_token_seconds,
-               kvpool:e2e_request_latency_seconds
+    histograms kvpool:{time_to_first_token,inter_token_latency,time_per_output_token,
+               e2e_request_latency}_seconds, kvpool:request_{queue,prefill,decode,
+               inference}_time_seconds, kvpool:request_time_per_output_token_seconds,
+               kvpool:request_{prompt,generation}_tokens (request_metrics.py)
     tiers      kvpool:cpu_cache_usage_perc (vLLM V0's name: the host tier's used fraction),
                kvpool:host_{num_blocks,num_used_blocks,num_cached_blocks},
                kvpool:disk_cache_{bytes,capacity_bytes,files,enabled};
@@ -33,21 +36,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineSnapshot
 from kvpool.engine.outputs import RequestOutput
 from kvpool.memory.block_pool import BlockPoolStats
-
-FINISH_REASONS = ("stop", "length", "abort")
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0)
+from kvpool.server.request_metrics import RequestHistograms
 
 
 class EngineCollector(Collector):
@@ -183,56 +179,21 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """The app's registry: the engine collector plus per-request latency histograms."""
+    """The app's registry: the engine collector plus the per-request histograms."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
-        labels = ["model_name"]
-        self.time_to_first_token = Histogram(
-            "kvpool:time_to_first_token_seconds", "Arrival to first generated token.",
-            labels, registry=self.registry, buckets=TTFT_BUCKETS,
-        )
-        self.time_per_output_token = Histogram(
-            "kvpool:time_per_output_token_seconds",
-            "Per request: (finish - first token) / (output tokens - 1).",
-            labels, registry=self.registry, buckets=TPOT_BUCKETS,
-        )
-        self.e2e_request_latency = Histogram(
-            "kvpool:e2e_request_latency_seconds", "Arrival to finish, per request.",
-            labels, registry=self.registry, buckets=E2E_BUCKETS,
-        )
-        self.request_success = Counter(
-            "kvpool:request_success", "Finished requests, by finish reason of their first "
-            "completion (stop, length, abort).",
-            [*labels, "finished_reason"], registry=self.registry,
-        )
-        # Touch every series now, so a scrape shows zeros rather than nothing before traffic.
-        for histogram in (self.time_to_first_token, self.time_per_output_token,
-                          self.e2e_request_latency):
-            histogram.labels(model_name)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
+        self.requests = RequestHistograms(self.registry, model_name, engine.max_model_len)
 
-    def observe_finished(self, output: RequestOutput, num_output_tokens: int) -> None:
-        """Record a finished engine request's latencies; `num_output_tokens` is its longest
-        completion's length (counted by the caller: a DELTA output holds only the last tokens)."""
-        reason = output.outputs[0].finish_reason if output.outputs else None
-        self.request_success.labels(self.model_name, reason or "abort").inc()
-        times = output.metrics
-        if times is None or times.first_token_time is None or times.finish_time is None:
-            return
-        self.time_to_first_token.labels(self.model_name).observe(
-            times.first_token_time - times.arrival_time
-        )
-        self.e2e_request_latency.labels(self.model_name).observe(
-            times.finish_time - times.arrival_time
-        )
-        if num_output_tokens > 1:
-            self.time_per_output_token.labels(self.model_name).observe(
-                (times.finish_time - times.first_token_time) / (num_output_tokens - 1)
-            )
+    def observe_output(self, output: RequestOutput) -> None:
+        """Every output of a request, as it passes: its inter-token gaps."""
+        self.requests.observe_output(output)
+
+    def observe_finished(self, output: RequestOutput, num_tokens: dict[int, int]) -> None:
+        """A finished request's final output; `num_tokens`: each completion's length."""
+        self.requests.observe_finished(output, num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

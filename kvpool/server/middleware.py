@@ -1,5 +1,10 @@
 """Pure ASGI middleware that runs before any route: authentication, then the body-size limit.
 
+Which key a path needs (`AccessPolicy`): /health and /ping none; /metrics a tenant key or the
+metrics key (`--metrics-api-key`), or none with `--allow-unauthenticated-metrics`; every other
+path, unknown ones included, a tenant key. With no key of the kind a path takes configured,
+the path is open.
+
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and client-disconnect
 messages pass through untouched. A rejected request costs no work: authentication looks at
 headers only, and an oversized body is refused from its Content-Length or, for a chunked body,
@@ -8,30 +13,55 @@ as soon as the bytes read exceed the limit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpool.server.auth import DEFAULT_TENANT, ApiKeyTable
 from kvpool.server.errors import OpenAIError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
+METRICS_PATH = "/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class AccessPolicy:
+    """The keys each path accepts. `metrics_keys` are accepted on /metrics only (tenant
+    `METRICS_TENANT`), besides the tenants' keys; `is_metrics_open` lets /metrics be scraped
+    without any key."""
+
+    keys: ApiKeyTable = field(default_factory=ApiKeyTable)
+    metrics_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
+    is_metrics_open: bool = False
+
+    def keys_for(self, path: str) -> ApiKeyTable | None:
+        """The keys that may open `path`; None: it is open."""
+        if path in OPEN_PATHS or (path == METRICS_PATH and self.is_metrics_open):
+            return None
+        table = self.keys
+        if path == METRICS_PATH:
+            table = ApiKeyTable(self.keys.entries + self.metrics_keys.entries)
+        return table if table.is_enabled else None
 
 
 class AuthMiddleware:
-    """With keys configured, every path except /health needs `Authorization: Bearer <key>`.
-    The authenticated tenant is put in `request.state.tenant`."""
+    """Every path `policy` guards needs `Authorization: Bearer <key>`, one of the keys it
+    accepts there. The authenticated tenant is put in `request.state.tenant` (the default
+    tenant on an open path)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeyTable) -> None:
+    def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
         self.app = app
-        self.keys = keys
+        self.policy = policy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         tenant: str | None = DEFAULT_TENANT
-        if self.keys.is_enabled and scope["path"] not in OPEN_PATHS:
-            tenant = self.keys.authenticate(_header(scope, b"authorization"))
+        keys = self.policy.keys_for(scope["path"])
+        if keys is not None:
+            tenant = keys.authenticate(_header(scope, b"authorization"))
             if tenant is None:
                 await _send_error(scope, receive, send, _unauthorized(scope))
                 return
@@ -86,9 +116,7 @@ class BodyLimitMiddleware:
                 await self._too_large().response()(scope, receive, send)
 
     def _too_large(self) -> OpenAIError:
-        return OpenAIError(
-            413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large"
-        )
+        return OpenAIError(413, f"the request body exceeds {self.max_bytes} bytes")
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -101,8 +129,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 def _unauthorized(scope: Scope) -> OpenAIError:
     if _header(scope, b"authorization") is None:
         message = "no API key given: send 'Authorization: Bearer <key>'"
-        return OpenAIError(401, message, code="missing_api_key")
-    return OpenAIError(401, "incorrect API key provided", code="invalid_api_key")
+        return OpenAIError(401, message)
+    return OpenAIError(401, "incorrect API key provided")
 
 
 async def _send_error(scope: Scope, receive: Receive, send: Send, error: OpenAIError) -> None:

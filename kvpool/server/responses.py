@@ -1,51 +1,43 @@
-"""From engine outputs to OpenAI bodies: whole responses, and server-sent-event chunks.
+"""From engine outputs to OpenAI bodies: whole responses, and the pieces streams share.
 
 The server asks the engine for the outputs each body needs (`inputs.py` sets the output kind):
-a whole response is built from one `FINAL_ONLY` output per prompt, which carries everything; a
-stream gets `DELTA` outputs, each carrying only what is new, so a chunk is a delta passed on as
-it comes, never a diff of cumulative copies (which would cost O(tokens²) on a long generation).
-A chunk is sent only when a choice has something new: text, tokens (with their logprobs, when
-asked for), or its finish reason, which goes out once (a choice that finished before its
-siblings still appears, empty, in their later outputs). New tokens count even when their text
-is held back (a possible stop-string prefix, part of a UTF-8 character) or there is no
-tokenizer: a client sees one chunk per step, as with vLLM, and `kvpool bench serve` measures
-inter-token latency between chunks. The engine never takes text back, so the deltas
-concatenate to the whole text.
+a whole response is built from one `FINAL_ONLY` output per prompt, which carries everything;
+a stream (`streams.py`) gets `DELTA` outputs, each carrying only what is new.
 
 Choice numbering follows OpenAI: with several prompts, prompt i's completion j is choice
-`i * n + j`. A stream's usage is counted from the deltas it saw (`Generation` sums them):
-no single output carries all of a stream's tokens.
+`i * n + j`. With `echo`, a completion's text starts with its prompt and its logprobs with the
+prompt's tokens' (from the engine's prompt logprobs; the first token has none: null, as in
+OpenAI's and vLLM's answers), which is what loglikelihood evaluations read. A chat choice's
+text is read by the request's tool plan (`tools/output.py`) into content and tool calls.
+Prompt logprobs, when asked for, are passed on in vLLM's shape: per prompt token, null for the
+first, else token id -> {logprob, rank, decoded_token}, -inf written as -9999.0 as vLLM does
+(JSON has no infinity).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from pydantic import BaseModel
-
 from kvpool.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpool.server.inputs import EngineInputs, EnginePrompt
 from kvpool.server.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
-    ChatDelta,
     ChatLogprobs,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCall,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from kvpool.server.tools.output import finish_reason, new_call_id
 
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
+MIN_LOGPROB = -9999.0  # what vLLM writes for -inf
 
 
 def usage(finals: list[RequestOutput], num_completion_tokens: int | None = None) -> Usage:
@@ -69,6 +61,10 @@ def _token_text(token_id: int, entry: Logprob) -> str:
     return entry.decoded_token if entry.decoded_token is not None else f"token_id:{token_id}"
 
 
+def _value(entry: Logprob) -> float:
+    return max(entry.logprob, MIN_LOGPROB)
+
+
 def _ranked(entries: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
     """The `num_top` most likely tokens of a step, best first."""
     ranked = sorted(entries.items(), key=lambda item: (item[1].rank, -item[1].logprob))
@@ -83,14 +79,36 @@ def completion_logprobs(
         return None
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for token_id, entries in zip(completion.token_ids, completion.logprobs, strict=True):
-        token = _token_text(token_id, entries[token_id])
-        result.tokens.append(token)
-        result.token_logprobs.append(entries[token_id].logprob)
-        top = {_token_text(tid, entry): entry.logprob for tid, entry in _ranked(entries, num_top)}
-        result.top_logprobs.append(top)
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
+        _append(result, token_id, entries, num_top, text_offset)
+        text_offset += len(result.tokens[-1])
     return result
+
+
+def echo_logprobs(
+    prompt: EnginePrompt, prompt_logprobs: list[dict[int, Logprob] | None], num_top: int
+) -> CompletionLogprobs:
+    """Logprobs of the prompt's tokens (echo): the first has none (null)."""
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    text_offset = 0
+    for token_id, entries in zip(prompt.token_ids, prompt_logprobs, strict=True):
+        if entries is None:
+            result.tokens.append(prompt.first_token_text or f"token_id:{token_id}")
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+        else:
+            _append(result, token_id, entries, num_top, text_offset)
+        text_offset += len(result.tokens[-1])
+    return result
+
+
+def _append(result: CompletionLogprobs, token_id: int, entries: dict[int, Logprob],
+            num_top: int, text_offset: int) -> None:
+    result.tokens.append(_token_text(token_id, entries[token_id]))
+    result.token_logprobs.append(_value(entries[token_id]))
+    result.top_logprobs.append(
+        {_token_text(tid, entry): _value(entry) for tid, entry in _ranked(entries, num_top)})
+    result.text_offset.append(text_offset)
 
 
 def chat_logprobs(completion: CompletionOutput, num_top: int) -> ChatLogprobs | None:
@@ -108,129 +126,95 @@ def chat_logprobs(completion: CompletionOutput, num_top: int) -> ChatLogprobs | 
 
 def _top_logprob(token: str, entry: Logprob) -> TopLogprob:
     token_bytes = list(token.encode("utf-8", "replace"))
-    return TopLogprob(token=token, logprob=entry.logprob, bytes=token_bytes)
+    return TopLogprob(token=token, logprob=_value(entry), bytes=token_bytes)
+
+
+def prompt_logprobs_body(output: RequestOutput) -> PromptLogprobs | None:
+    """The output's prompt logprobs in vLLM's response shape, if it has them."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None if entries is None else {
+            token_id: PromptLogprob(logprob=_value(entry), rank=entry.rank,
+                                    decoded_token=entry.decoded_token)
+            for token_id, entry in entries.items()
+        }
+        for entries in output.prompt_logprobs
+    ]
 
 
 # ------------------------------------------------------------ whole responses
+def completion_choice_text(
+    completion: CompletionOutput, output: RequestOutput, prompt: EnginePrompt,
+    inputs: EngineInputs, num_top: int,
+) -> tuple[str, CompletionLogprobs | None]:
+    """A completion's text and logprobs as returned: the prompt's first with echo, and
+    nothing generated with echo and max_tokens 0."""
+    text = "" if inputs.is_echo_only else completion.text
+    if not inputs.echo:
+        return text, completion_logprobs(completion, num_top, 0)
+    text = (prompt.text or "") + text
+    if completion.logprobs is None or output.prompt_logprobs is None:
+        return text, None
+    logprobs = echo_logprobs(prompt, output.prompt_logprobs, num_top)
+    if not inputs.is_echo_only:
+        offset = sum(len(token) for token in logprobs.tokens)
+        generated = completion_logprobs(completion, num_top, offset)
+        assert generated is not None
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(logprobs, name).extend(getattr(generated, name))
+    return text, logprobs
+
+
 def completion_response(
-    response_id: str, created: int, model: str, outputs: list[RequestOutput], n: int,
-    num_top: int,
+    response_id: str, created: int, model: str, outputs: list[RequestOutput],
+    inputs: EngineInputs, n: int, num_top: int,
 ) -> Completion:
-    choices = [
-        CompletionChoice(
-            index=prompt_index * n + completion.index,
-            text=completion.text,
-            logprobs=completion_logprobs(completion, num_top, 0),
-            finish_reason=completion.finish_reason,
-        )
-        for prompt_index, output in enumerate(outputs)
-        for completion in output.outputs
-    ]
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        prompt = inputs.prompts[prompt_index]
+        prompt_logprobs = prompt_logprobs_body(output)
+        for completion in output.outputs:
+            text, logprobs = completion_choice_text(completion, output, prompt, inputs,
+                                                    num_top)
+            choices.append(CompletionChoice(
+                index=prompt_index * n + completion.index, text=text, logprobs=logprobs,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                prompt_logprobs=prompt_logprobs,
+            ))
     choices.sort(key=lambda choice: choice.index)
     return Completion(id=response_id, created=created, model=model, choices=choices,
                       usage=usage(outputs))
 
 
 def chat_response(
-    response_id: str, created: int, model: str, output: RequestOutput, num_top: int
+    response_id: str, created: int, model: str, output: RequestOutput, inputs: EngineInputs,
+    num_top: int,
 ) -> ChatCompletion:
     choices = [
         ChatChoice(
             index=completion.index,
-            message=AssistantMessage(content=completion.text),
+            message=message,
             logprobs=chat_logprobs(completion, num_top),
-            finish_reason=completion.finish_reason,
+            finish_reason=reason,
+            stop_reason=completion.stop_reason,
         )
         for completion in output.outputs
+        for message, reason in [chat_message(completion, inputs)]
     ]
     return ChatCompletion(id=response_id, created=created, model=model, choices=choices,
-                          usage=usage([output]))
+                          usage=usage([output]), prompt_logprobs=prompt_logprobs_body(output))
 
 
-# ------------------------------------------------------------------ streams
-def _new_deltas(
-    output: RequestOutput, first_index: int, finished: set[int]
-) -> list[tuple[int, CompletionOutput]]:
-    """(choice index, delta) for each completion of `output` with something new to send; marks
-    the finished ones, so that a finish reason goes out once."""
-    deltas = []
-    for completion in output.outputs:
-        index = first_index + completion.index
-        if index in finished:
-            continue
-        if not (completion.text or completion.token_ids or completion.finished):
-            continue
-        if completion.finished:
-            finished.add(index)
-        deltas.append((index, completion))
-    return deltas
-
-
-@dataclass(slots=True)
-class CompletionStreamer:
-    """SSE chunks for /v1/completions with `stream: true`, from DELTA outputs."""
-
-    response_id: str
-    created: int
-    model: str
-    n: int
-    num_top: int
-    finished: set[int] = field(default_factory=set)  # choices whose finish reason was sent
-    text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> its next token's
-
-    def chunks(self, prompt_index: int, output: RequestOutput) -> list[str]:
-        events = []
-        for index, completion in _new_deltas(output, prompt_index * self.n, self.finished):
-            offset = self.text_offsets.get(index, 0)
-            logprobs = completion_logprobs(completion, self.num_top, offset)
-            if logprobs is not None:
-                self.text_offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
-            choice = CompletionChoice(index=index, text=completion.text, logprobs=logprobs,
-                                      finish_reason=completion.finish_reason)
-            events.append(sse(Completion(id=self.response_id, created=self.created,
-                                         model=self.model, choices=[choice])))
-        return events
-
-    def usage_chunk(self, finals: list[RequestOutput], num_completion_tokens: int) -> str:
-        return sse(Completion(id=self.response_id, created=self.created, model=self.model,
-                              choices=[], usage=usage(finals, num_completion_tokens)))
-
-
-@dataclass(slots=True)
-class ChatStreamer:
-    """SSE chunks for /v1/chat/completions with `stream: true`, from DELTA outputs."""
-
-    response_id: str
-    created: int
-    model: str
-    num_top: int
-    finished: set[int] = field(default_factory=set)  # choices whose finish reason was sent
-
-    def role_chunks(self, n: int) -> list[str]:
-        """The first chunk of every choice: the assistant role and empty content."""
-        return [self._chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant",
-                                                                          content="")))
-                for index in range(n)]
-
-    def chunks(self, prompt_index: int, output: RequestOutput) -> list[str]:
-        """Chunks for one output (a chat request has one prompt: `prompt_index` is 0)."""
-        events = []
-        for index, completion in _new_deltas(output, prompt_index, self.finished):
-            text = completion.text
-            choice = ChatChunkChoice(
-                index=index,
-                delta=ChatDelta(content=text) if text or not completion.finished else ChatDelta(),
-                logprobs=chat_logprobs(completion, self.num_top),
-                finish_reason=completion.finish_reason,
-            )
-            events.append(self._chunk(choice))
-        return events
-
-    def usage_chunk(self, finals: list[RequestOutput], num_completion_tokens: int) -> str:
-        return sse(ChatCompletionChunk(id=self.response_id, created=self.created,
-                                       model=self.model, choices=[],
-                                       usage=usage(finals, num_completion_tokens)))
-
-    def _chunk(self, choice: ChatChunkChoice) -> str:
-        return sse(ChatCompletionChunk(id=self.response_id, created=self.created,
-                                       model=self.model, choices=[choice]))
+def chat_message(completion: CompletionOutput, inputs: EngineInputs
+                 ) -> tuple[AssistantMessage, str | None]:
+    """The assistant's message (content and tool calls) and the choice's finish reason."""
+    assert inputs.output_parser is not None and inputs.tool_plan is not None
+    content, calls = inputs.output_parser.extract(completion.text)
+    reason = finish_reason(inputs.tool_plan, len(calls), completion.finish_reason)
+    if not calls:
+        return AssistantMessage(content=completion.text), reason
+    tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=call.name,
+                                                                    arguments=call.arguments))
+                  for call in calls]
+    return AssistantMessage(content=content, tool_calls=tool_calls), reason

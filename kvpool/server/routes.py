@@ -1,5 +1,5 @@
-"""The HTTP endpoints: OpenAI's completions, chat completions and models, plus /health,
-/metrics and /v1/kv/stats.
+"""The HTTP endpoints: OpenAI's completions and chat completions, plus /health, /metrics and
+/v1/kv/stats (models, tokenize, version and ping: `utility_routes.py`).
 
 A generation route: check the model name and the cache salt, take a concurrency slot, build the
 engine inputs in a worker thread (tokenizing can take a while; the event loop must not wait for
@@ -27,25 +27,19 @@ from kvpool.engine.async_engine import EngineClosedError, EngineError
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.outputs import RequestOutput
 from kvpool.server.auth import derive_cache_salt
+from kvpool.server.chat_inputs import chat_inputs
 from kvpool.server.errors import OpenAIError, bad_request
 from kvpool.server.generation import ClientDisconnected, Generation, ServerState
-from kvpool.server.inputs import EngineInputs, chat_inputs, completion_inputs
+from kvpool.server.inputs import EngineInputs, completion_inputs
 from kvpool.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     ErrorResponse,
-    ModelCard,
-    ModelList,
 )
-from kvpool.server.responses import (
-    SSE_DONE,
-    ChatStreamer,
-    CompletionStreamer,
-    chat_response,
-    completion_response,
-)
+from kvpool.server.responses import chat_response, completion_response
+from kvpool.server.streams import SSE_DONE, ChatStreamer, CompletionStreamer
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 
@@ -65,7 +59,7 @@ async def health(request: Request) -> dict[str, str]:
     engine = _state(request).engine
     if not engine.is_healthy:
         reason = engine.unhealthy_reason or "the engine thread is not running"
-        raise OpenAIError(503, f"unhealthy: {reason}", code="unhealthy")
+        raise OpenAIError(503, f"unhealthy: {reason}")
     return {"status": "ok"}
 
 
@@ -93,30 +87,19 @@ async def kv_stats(request: Request) -> dict[str, Any]:
     }
 
 
-
-@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
-async def list_models(request: Request) -> ModelList:
-    state = _state(request)
-    cards = [
-        ModelCard(id=name, created=state.created, max_model_len=state.engine.max_model_len)
-        for name in state.config.served_model_names
-    ]
-    return ModelList(data=cards)
-
-
 @router.post("/v1/completions", response_model=Completion, responses=_ERRORS)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     model = state.check_model(body.model)
     created, response_id = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-    num_top = body.logprobs or 0
+    num_top, n = body.logprobs or 0, body.n or 1
 
-    def stream_events(generation: Generation) -> AsyncIterator[str]:
-        streamer = CompletionStreamer(response_id, created, model, body.n, num_top)
+    def stream_events(generation: Generation, inputs: EngineInputs) -> AsyncIterator[str]:
+        streamer = CompletionStreamer(response_id, created, model, n, num_top, inputs)
         return _sse_events(generation, streamer, _wants_usage(body))
 
-    def respond(outputs: list[RequestOutput]) -> Completion:
-        return completion_response(response_id, created, model, outputs, body.n, num_top)
+    def respond(outputs: list[RequestOutput], inputs: EngineInputs) -> Completion:
+        return completion_response(response_id, created, model, outputs, inputs, n, num_top)
 
     return await _generate(request, state, body, completion_inputs, response_id,
                            stream_events, respond)
@@ -129,13 +112,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     created, response_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     num_top = body.top_logprobs or 0
 
-    def stream_events(generation: Generation) -> AsyncIterator[str]:
-        streamer = ChatStreamer(response_id, created, model, num_top)
+    def stream_events(generation: Generation, inputs: EngineInputs) -> AsyncIterator[str]:
+        streamer = ChatStreamer(response_id, created, model, num_top, inputs)
         events = _sse_events(generation, streamer, _wants_usage(body))
-        return _prefixed(streamer.role_chunks(body.n), events)
+        return _prefixed(streamer.role_chunks(body.n or 1), events)
 
-    def respond(outputs: list[RequestOutput]) -> ChatCompletion:
-        return chat_response(response_id, created, model, outputs[0], num_top)
+    def respond(outputs: list[RequestOutput], inputs: EngineInputs) -> ChatCompletion:
+        return chat_response(response_id, created, model, outputs[0], inputs, num_top)
 
     return await _generate(request, state, body, chat_inputs, response_id,
                            stream_events, respond)
@@ -147,8 +130,8 @@ async def _generate(
     body: CompletionRequest | ChatCompletionRequest,
     make_inputs: Callable[..., EngineInputs],
     response_id: str,
-    stream_events: Callable[[Generation], AsyncIterator[str]],
-    respond: Callable[[list[RequestOutput]], Any],
+    stream_events: Callable[[Generation, EngineInputs], AsyncIterator[str]],
+    respond: Callable[[list[RequestOutput], EngineInputs], Any],
 ) -> Response:
     try:
         cache_salt = derive_cache_salt(request.state.tenant, body.cache_salt)
@@ -157,15 +140,12 @@ async def _generate(
     generation = state.begin()
     is_streaming = False
     try:
-        engine = state.engine
-        inputs = await asyncio.to_thread(
-            make_inputs, body, engine.tokenizer, engine.max_model_len, state.config
-        )
+        inputs = await asyncio.to_thread(make_inputs, body, state.engine, state.config)
         await generation.add(inputs, cache_salt, response_id)
         if body.stream:
             is_streaming = True
             return StreamingResponse(
-                stream_events(generation),
+                stream_events(generation, inputs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
                 background=BackgroundTask(generation.close),
@@ -176,7 +156,7 @@ async def _generate(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except (EngineError, EngineClosedError) as error:
             raise _engine_failure(error) from error
-        return JSONResponse(respond(outputs).model_dump())
+        return JSONResponse(respond(outputs, inputs).model_dump())
     finally:
         if not is_streaming:
             generation.close()
@@ -208,9 +188,8 @@ async def _prefixed(first: list[str], rest: AsyncIterator[str]) -> AsyncIterator
 
 def _engine_failure(error: Exception) -> OpenAIError:
     if isinstance(error, EngineClosedError):
-        return OpenAIError(503, "the request was aborted: the server is shutting down",
-                           code="service_unavailable")
-    return OpenAIError(500, "the engine failed while running this request", code="engine_error")
+        return OpenAIError(503, "the request was aborted: the server is shutting down")
+    return OpenAIError(500, "the engine failed while running this request")
 
 
 def _wants_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:

@@ -1,8 +1,10 @@
-"""The shared engine and sampling flags reach `EngineConfig` and `SamplingParams`; sizes parse."""
+"""The shared engine and sampling flags reach `EngineConfig` and `SamplingParams`; sizes parse;
+vLLM's flags kvpool has no counterpart for are accepted at neutral values, refused otherwise."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
@@ -84,3 +86,65 @@ def test_parse_size(text: str, num_bytes: int) -> None:
 def test_parse_size_rejects_what_is_not_a_size(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_size(text)
+
+
+def test_dtype_auto_reaches_the_config_from_every_engine_command():
+    from kvpool.cli import build_parser
+
+    for command in (["serve"], ["generate", "hi"], ["chat"]):
+        args = build_parser().parse_args([*command, "--dtype", "auto"])
+        assert engine_config_from_args(args).dtype == "auto"
+
+
+def test_vllm_flags_at_neutral_values_are_accepted_with_one_warning(caplog):
+    from kvpool.cli import build_parser
+
+    args = build_parser().parse_args([
+        "serve", "org/model", "-tp", "1", "--pipeline-parallel-size", "1", "--enforce-eager",
+        "--trust-remote-code", "--disable-log-stats", "--tokenizer", "org/model",
+        "--tokenizer-mode", "auto", "--revision", "main", "--no-enable-lora",
+        "--compilation-config", '{"level": 3}'])
+    with caplog.at_level(logging.WARNING, logger="kvpool.engine.vllm_compat"):
+        config = engine_config_from_args(args)
+    assert config.model == "org/model"
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "kvpool.engine.vllm_compat"]
+    assert "tensor_parallel_size=1" in warning and "enable_lora=False" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvpool.engine.vllm_compat"):
+        engine_config_from_args(build_parser().parse_args(["serve"]))
+    assert not caplog.records  # no vLLM flag given, nothing to warn about
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["-tp", "2"], "tensor_parallel_size must be 1"),
+    (["--enable-lora"], "enable_lora must be False"),
+    (["--tokenizer", "other/tokenizer"], "tokenizer must be None or the model"),
+    (["--download-dir", "/models"], "set HF_HUB_CACHE"),
+])
+def test_vllm_flags_kvpool_cannot_honour_are_refused(flags, message):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, model_positional=True)
+    with pytest.raises(ValueError, match=message):
+        engine_config_from_args(parser.parse_args(flags))
+
+
+def test_vllm_names_of_kvpool_flags_and_generation_config_flags():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-cache-memory-bytes", "256MiB", "--num-gpu-blocks-override",
+                              "12", "--generation-config", "vllm",
+                              "--override-generation-config", '{"temperature": 0.5}'])
+    config = engine_config_from_args(args)
+    assert (config.kv_cache_memory, config.num_gpu_blocks) == (256 << 20, 12)
+    assert config.generation_config == "vllm"
+    assert config.override_generation_config == {"temperature": 0.5}
+    defaults = engine_config_from_args(parser.parse_args([]))
+    assert (defaults.generation_config, defaults.override_generation_config) == ("auto", None)
+
+
+def test_override_generation_config_must_be_a_json_object(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--override-generation-config", "[1, 2]"])
+    assert "not a JSON object" in capsys.readouterr().err

@@ -25,7 +25,7 @@ def test_every_command_is_registered() -> None:
     assert set(subparsers.choices) == COMMANDS
     bench = subparsers.choices["bench"]._subparsers._group_actions[0]
     assert set(bench.choices) == {"blocks", "throughput", "serve", "precision", "kv-capacity",
-                                  "kv-granularity", "multi-turn"}
+                                  "kv-granularity", "multi-turn", "structured"}
 
 
 def test_building_the_parser_imports_nothing_heavy() -> None:

@@ -1,4 +1,6 @@
-"""`kvpool serve`'s flags build the server config; a bad key file is a one-line error.
+"""`kvpool serve`'s flags build the server config; a bad key file is a one-line error;
+`--log-level` takes any case; `--api-key` repeats or comes from the environment; the metrics
+access flags.
 
 (The running server's graceful shutdown, through `python -m kvpool serve`, is tested in
 tests/server/test_serve.py.)
@@ -8,8 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvpool.cli import build_parser, main
-from kvpool.cli.serve import server_config_from_args
+from kvpool.cli.serve import API_KEY_ENV_VARS, api_keys_from_args, server_config_from_args
+from kvpool.server.auth import METRICS_TENANT
 
 
 def test_flags_build_the_server_config(tmp_path: Path) -> None:
@@ -44,3 +49,57 @@ def test_a_bad_key_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
     argv = ["serve", "tiny", "--load-format", "dummy", "--api-key-file", str(keys)]
     assert main(argv) == 2
     assert "line 1: expected 'tenant:key'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("given", "level"),
+                         [("INFO", "info"), ("info", "info"), ("Debug", "debug"),
+                          ("WARNING", "warning"), ("trace", "trace")])
+def test_the_log_level_is_case_insensitive(given: str, level: str) -> None:
+    assert build_parser().parse_args(["serve", "--log-level", given]).log_level == level
+
+
+def test_an_unknown_log_level_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--log-level", "LOUD"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'loud'" in capsys.readouterr().err
+
+
+def test_api_keys_repeat_and_fall_back_to_the_environment(monkeypatch) -> None:
+    for name in API_KEY_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+    def keys(*flags: str) -> list[str]:
+        return api_keys_from_args(build_parser().parse_args(["serve", *flags]))
+
+    assert keys() == []
+    assert keys("--api-key", "a", "--api-key", "b") == ["a", "b"]
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert keys() == ["from-vllm"]
+    monkeypatch.setenv("KVPOOL_API_KEY", "from-kvpool")
+    assert keys() == ["from-kvpool"]  # kvpool's own variable first
+    assert keys("--api-key", "flag") == ["flag"]  # a flag wins over both
+    monkeypatch.setenv("KVPOOL_API_KEY", "")
+    assert keys() == ["from-vllm"]  # an empty variable counts as unset
+    config = server_config_from_args(build_parser().parse_args(
+        ["serve", "--api-key", "a", "--api-key", "b"]))
+    assert [config.api_keys.authenticate(f"Bearer {key}") for key in "ab"] == ["default"] * 2
+
+
+def test_metrics_flags_build_the_metrics_access() -> None:
+    def config(*flags: str):
+        return server_config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    default = config()
+    assert not default.metrics_api_keys.is_enabled and not default.allow_unauthenticated_metrics
+    keyed = config("--metrics-api-key", "prom")
+    assert keyed.metrics_api_keys.authenticate("Bearer prom") == METRICS_TENANT
+    assert not keyed.api_keys.is_enabled
+    assert config("--allow-unauthenticated-metrics").allow_unauthenticated_metrics
+
+
+def test_a_metrics_key_and_open_metrics_together_are_an_error(capsys) -> None:
+    argv = ["serve", "tiny", "--load-format", "dummy", "--metrics-api-key", "prom",
+            "--allow-unauthenticated-metrics"]
+    assert main(argv) == 2
+    assert "not both" in capsys.readouterr().err

@@ -19,11 +19,14 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 EOS = 99
 
 
+PIECES = {27: "lo wor"}  # a token of several characters
+
+
 class LetterTokenizer:
-    """Token i is the i-th letter of ALPHABET."""
+    """Token i is the i-th letter of ALPHABET (or a piece of PIECES)."""
 
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        return "".join(ALPHABET[t] for t in token_ids if t != EOS)
+        return "".join(PIECES.get(t) or ALPHABET[t] for t in token_ids if t != EOS)
 
 
 def ids(text: str) -> list[int]:
@@ -104,3 +107,43 @@ def test_final_only_hands_out_one_output_and_forgets_the_request(processor):
     output = processor.make_output(seq.request)
     assert output.outputs[0].text == "abcd" and output.outputs[0].token_ids == ids("abcd")
     assert not processor._states, "a finished request's state is dropped"
+
+
+def test_include_stop_str_keeps_the_stop_string_across_tokens(processor):
+    seq = make_sequence(SamplingParams(stop=["lo w", "zz"], max_tokens=20,
+                                       include_stop_str_in_output=True))
+    assert feed(processor, seq, "hello world") == (FinishReason.STOP, "lo w")
+    output = processor.make_output(seq.request).outputs[0]
+    assert output.text == "hello w" and output.token_ids == ids("hello w")
+
+
+@pytest.mark.parametrize(("include", "stop", "text"), [
+    (False, "lo wor", "hel"),  # cut before the stop string that starts first
+    (True, "o w", "hello w"),  # cut after the one that ends first, the rest of the token gone
+])
+def test_a_stop_string_inside_one_token(processor, include, stop, text):
+    seq = make_sequence(SamplingParams(stop=["lo wor", "o w"], max_tokens=20,
+                                       include_stop_str_in_output=include))
+    assert feed(processor, seq, "hel") is None
+    seq.output_token_ids.append(27)
+    assert processor.on_token(seq, 27, None) == (FinishReason.STOP, stop)
+    seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.STOP
+    seq.stop_reason = stop
+    assert processor.make_output(seq.request).outputs[0].text == text
+
+
+def test_include_stop_str_streams_without_holding_back(processor):
+    # Nothing handed out is ever taken back: the cut falls after a stop string that ends in
+    # the newest text, so nothing needs holding back.
+    params = SamplingParams(stop=["xyz"], max_tokens=20, output_kind=RequestOutputKind.DELTA,
+                            include_stop_str_in_output=True)
+    seq = make_sequence(params)
+    sent = []
+    for token_text in "abxy":
+        feed(processor, seq, token_text)
+        sent.append(processor.make_output(seq.request).outputs[0].text)
+    assert sent == ["a", "b", "x", "y"]
+    assert feed(processor, seq, "zq") == (FinishReason.STOP, "xyz")
+    last = processor.make_output(seq.request)
+    assert last.finished and last.outputs[0].text == "z"
+    assert "".join([*sent, last.outputs[0].text]) == "abxyz"

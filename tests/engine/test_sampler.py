@@ -1,16 +1,26 @@
 """The sampler on hand-made logits: greedy, top-k/top-p/min-p, seeds, penalties, logprobs,
-non-finite logits, and (on the "meta" device) that its tensors follow the logits' device."""
+non-finite logits, grammar bitmasks, logit bias, allowed token ids, bad words, and (on the
+"meta" device) that its tensors follow the logits' device; then the last four on the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.logits_constraints import (
+    apply_allowed_token_ids,
+    apply_logit_bias,
+    bad_word_bans,
+    bitmask_penalty,
+)
 from kvpool.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -20,6 +30,7 @@ from kvpool.engine.sampler import (
     raw_logprobs_of,
 )
 from kvpool.engine.sampling_params import SamplingParams
+from tests.engine.conftest import run_all
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
 
@@ -276,3 +287,160 @@ def test_a_row_generator_on_another_device_than_the_logits_is_refused():
     rows = [row(temperature=0), row(torch.Generator().manual_seed(0), temperature=1.0)]
     with pytest.raises(AssertionError, match="model's device"):
         choose_token_ids(logits, rows, generator=None)
+
+
+# ------------------------------------------- grammar masks, logit bias, allowed ids, bad words
+class AllowOnly:
+    """A stand-in grammar matcher that allows only `token_ids` (the bitmask protocol)."""
+
+    def __init__(self, *token_ids: int) -> None:
+        self.token_ids = token_ids
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        words = bitmask.numpy()[row]  # host memory, written outside torch, like xgrammar
+        words[:] = 0
+        for token_id in self.token_ids:
+            words[token_id // 32] |= np.int32(np.uint32(1 << (token_id % 32)).view(np.int32))
+        return True
+
+
+def constrained(matcher=None, bad_words=(), **options) -> SamplingRow:
+    return dataclasses.replace(row(**options), matcher=matcher,
+                               bad_words_token_ids=tuple(tuple(word) for word in bad_words))
+
+
+@pytest.mark.parametrize("vocab_size", [5, 32, 70])
+def test_bitmask_penalty_is_zero_exactly_where_a_bit_is_set(vocab_size):
+    num_words = -(-vocab_size // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, num_words), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(vocab_size))
+    expected = torch.tensor([[bool(int(bitmask[r, t // 32]) >> (t % 32) & 1)
+                              for t in range(vocab_size)] for r in range(3)])
+    penalty = bitmask_penalty(bitmask, vocab_size)
+    assert penalty.shape == (3, vocab_size) and penalty.dtype == torch.float32
+    assert torch.equal(penalty == 0, expected)
+    assert torch.isneginf(penalty[~expected]).all()
+
+
+def test_a_grammar_mask_limits_its_row_only_and_leaves_the_logprobs_raw():
+    rows = [constrained(AllowOnly(3, 4), temperature=0, logprobs=0),
+            row(temperature=0),
+            constrained(AllowOnly(0), temperature=1.0)]
+    logits = LOGITS.repeat(3, 1)
+    output = Sampler(seed=0)(logits, rows)
+    assert output.token_ids == [3, 1, 0]  # 3: the best of the allowed
+    expected = float(torch.log_softmax(LOGITS[0], -1)[3])
+    assert math.isclose(output.logprobs[0][3].logprob, expected, rel_tol=1e-6)
+    assert torch.equal(logits, LOGITS.repeat(3, 1))
+    draws = Sampler(seed=1)(LOGITS.repeat(200, 1), [constrained(AllowOnly(0, 4),
+                                                                temperature=1.0)] * 200)
+    assert set(draws.token_ids) == {0, 4}
+
+
+def test_every_token_masked_gives_some_token_rather_than_an_error():
+    rows = [constrained(AllowOnly(), temperature=0), constrained(AllowOnly(), temperature=1.0)]
+    token_ids = Sampler()(LOGITS.repeat(2, 1), rows).token_ids
+    assert all(0 <= token_id < LOGITS.shape[1] for token_id in token_ids)
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    # Token 0 (logit 1) was generated; repetition penalty 2 and a bias of 3. Bias first:
+    # (1 + 3) / 2 = 2 < 3, token 1 stays the argmax; penalty first would give 0.5 + 3 = 3.5.
+    rows = [row(temperature=0, output=[0], repetition_penalty=2.0, logit_bias={0: 3.0}),
+            row(temperature=0, logit_bias={4: 4.5}), row(temperature=0, logit_bias={1: -100})]
+    assert Sampler()(LOGITS.repeat(3, 1), rows).token_ids == [1, 4, 2]
+    biased = LOGITS.repeat(3, 1)
+    apply_logit_bias(biased, rows)
+    assert biased[1].tolist() == [1.0, 3.0, 2.0, 0.5, 3.5]
+
+
+def test_allowed_token_ids_limit_their_row():
+    rows = [row(temperature=0, allowed_token_ids=[0, 3]), row(temperature=0),
+            row(temperature=1.0, allowed_token_ids=[4])]
+    assert Sampler(seed=0)(LOGITS.repeat(3, 1), rows).token_ids == [0, 1, 4]
+    limited = LOGITS.repeat(3, 1)
+    apply_allowed_token_ids(limited, rows)
+    assert torch.isinf(limited[0]).tolist() == [False, True, True, False, True]
+    assert torch.equal(limited[1], LOGITS[0])
+
+
+def test_bad_words_ban_single_tokens_always_and_last_tokens_after_their_prefix():
+    words = [(1,), (3, 2), (0, 3, 4)]
+    assert bad_word_bans(constrained(bad_words=words, output=[])) == [1]
+    assert bad_word_bans(constrained(bad_words=words, output=[4, 3])) == [1, 2]
+    assert bad_word_bans(constrained(bad_words=words, output=[0, 3])) == [1, 2, 4]
+    rows = [constrained(bad_words=words, temperature=0, output=[3]),  # 1 and 2 banned
+            constrained(bad_words=words, temperature=0, output=[2])]  # only 1
+    assert Sampler()(LOGITS.repeat(2, 1), rows).token_ids == [0, 2]
+
+
+class HostTensorRecorder(DeviceRecorder):
+    """Records the dtype and shape of every tensor off `device` that an op meets or makes."""
+
+    def _check(self, func, role: str, tree) -> None:
+        for leaf in tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor) and leaf.device != self.device:
+                self.strays.append((leaf.dtype, tuple(leaf.shape)))
+
+
+def test_the_grammar_path_follows_the_logits_device_but_for_its_host_bitmask():
+    # xgrammar fills the bitmask in host memory: it is the only tensor off the logits' device
+    # (made, filled, copied over); everything after the copy is on the device.
+    device = torch.device("meta")
+    rows = [constrained(AllowOnly(1), temperature=0, logit_bias={2: 1.0}, bad_words=[(5,)]),
+            row(temperature=1.0, allowed_token_ids=[3, 7]),
+            constrained(AllowOnly(9, 10), temperature=0.7, top_k=3)]
+    logits = torch.empty(len(rows), 64, device=device)
+    recorder = HostTensorRecorder(device)
+    with torch.inference_mode(), recorder:
+        token_ids = choose_token_ids(logits, rows, generator=None)
+    assert recorder.strays and all(dtype == torch.int32 and shape[-1:] == (2,)
+                                   for dtype, shape in recorder.strays), recorder.strays
+    assert token_ids.device == device and token_ids.shape == (len(rows),)
+
+
+# ------------------------------------------------------------------ on the real engine
+SMALL_ENGINE = {"dtype": "float32", "kv_cache_memory": 16 * 2**20, "max_model_len": 512}
+
+
+@pytest.mark.slow
+def test_engine_logit_bias_forces_a_token(make_engine):
+    engine = make_engine(**SMALL_ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                            logit_bias={1234: 100.0})
+    assert engine.add_request("Hello", params) is not None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert output.outputs[0].token_ids == [1234] * 4
+
+
+@pytest.mark.slow
+def test_engine_allowed_token_ids_and_bad_words(make_engine, smollm2):
+    engine = make_engine(**SMALL_ENGINE)
+    prompt = "The capital of France is"
+    free, allowed, banned = run_all(engine, [prompt] * 3, [
+        SamplingParams(temperature=0, max_tokens=6),
+        SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True,
+                       allowed_token_ids=[11, 22, 33]),
+        SamplingParams(temperature=0, max_tokens=6, bad_words=["Paris"]),
+    ])
+    assert "Paris" in free.outputs[0].text  # what the ban has to change
+    assert set(allowed.outputs[0].token_ids) <= {11, 22, 33}
+    assert "Paris" not in banned.outputs[0].text
+    encode = smollm2.tokenizer.encode
+    request = engine.add_request(prompt, SamplingParams(bad_words=["  Paris", "Paris"]))
+    expected = {tuple(encode("Paris", False)), tuple(encode(" Paris", False))}
+    assert set(request.bad_words_token_ids) == expected  # stripped, both forms, no repeats
+    engine.abort_request(request.request_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("param", ["logit_bias", "allowed_token_ids"])
+def test_engine_refuses_token_ids_past_the_vocabulary(make_engine, param):
+    engine = make_engine(**SMALL_ENGINE)
+    vocab_size = engine.model_config.vocab_size
+    value = {vocab_size: 1.0} if param == "logit_bias" else [0, vocab_size]
+    with pytest.raises(InvalidRequestError) as raised:
+        engine.add_request([1, 2], SamplingParams(**{param: value}))
+    assert raised.value.param == param

@@ -257,3 +257,42 @@ def test_the_planned_prefix_match_is_the_one_admission_takes(chunked):
     assert plan.num_cached_tokens == 8 and plan.prefix.num_evictable == 2
     run_step(scheduler)
     assert again.block_table.block_ids[:2] == first_blocks[:2]
+
+
+PROMPT_LOGPROBS = SamplingParams(prompt_logprobs=2)
+
+
+def test_prompt_logprob_positions_follow_the_chunks_and_stop_before_the_last_token():
+    # Entry i comes from position i - 1: a 10-token prompt needs positions 0..8 (position 9
+    # samples the first output). Each chunk asks for its own positions, so the entry of a
+    # later chunk's first token (4, 8) comes from the previous chunk's last position.
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=4)
+    seq = add(scheduler, 10, params=PROMPT_LOGPROBS)
+    steps = [run_step(scheduler).chunks[0] for _ in range(4)]
+    assert [(c.num_computed_tokens, c.num_new_tokens, c.num_samples) for c in steps] == [
+        (0, 4, 0), (4, 4, 0), (8, 2, 1), (10, 1, 1)]
+    assert [c.prompt_logprob_positions for c in steps] == [
+        range(0, 4), range(4, 8), range(8, 9), range(10, 10)]
+    assert seq.request.num_prompt_logprob_positions == 9
+    plain = add(scheduler, 3, first=40)
+    assert run_step(scheduler).chunks[1].seq is plain
+    assert all(not chunk.prompt_logprob_positions for chunk in run_step(scheduler).chunks)
+
+
+def test_prompt_logprobs_take_no_cached_prefix_and_a_requeue_reuses_only_what_is_done():
+    scheduler = make_scheduler(num_blocks=16, max_num_batched_tokens=8)
+    first = add(scheduler, 13, first=200)
+    while not first.output_token_ids:
+        run_step(scheduler)
+    scheduler.finish(first, FinishReason.STOP)  # its 3 full blocks stay in the prefix cache
+    again = add(scheduler, 13, first=200, params=PROMPT_LOGPROBS)
+    step = run_step(scheduler)
+    assert again.request.num_cached_tokens == 0
+    assert [(c.num_computed_tokens, c.prompt_logprob_positions) for c in step.chunks] == [
+        (0, range(0, 8))]
+    batch = scheduler.schedule()  # positions 8..11: the step fails, nothing of it happened
+    scheduler.roll_back(batch)
+    step = run_step(scheduler)  # back from the cache: the 2 blocks whose positions are done
+    assert [(c.num_computed_tokens, c.prompt_logprob_positions) for c in step.chunks] == [
+        (8, range(8, 12))]
+    assert again.request.num_prompt_logprob_positions == 12 and again.output_token_ids == [7]

@@ -141,7 +141,7 @@ def kvpool_greedy_mixed_batches(smollm2, prompts: list[list[int]]) -> list[list[
             break
         chunks = [sequences[i].next_chunk() for i in active]
         num_mixed_steps += len({len(c.token_ids) == 1 for c in chunks}) == 2
-        logits = runner.execute(chunks)
+        logits = runner.execute(chunks).sampling
         sampled = iter(logits.argmax(dim=-1).tolist())
         for i, chunk in zip(active, chunks, strict=True):
             if chunk.num_samples:

@@ -1,5 +1,6 @@
 """Weight loading: GGML dequantization against gguf's reference, the safetensors round trip
-against transformers, dummy weights, and the errors for bad checkpoints or paths."""
+against transformers, dummy weights, Hub ids from the local cache, generation configs, and the
+errors for bad checkpoints or paths."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def kvpool_step_logits(loaded, token_ids: list[int], split: list[int]) -> torch.
     rows, bounds = [], [0, *split, len(token_ids)]
     for start, end in itertools.pairwise(bounds):
         chunk = SequenceChunk(token_ids[start:end], start, block_ids)
-        rows.append(runner.execute([chunk])[0])
+        rows.append(runner.execute([chunk]).sampling[0])
     return torch.stack(rows)
 
 
@@ -194,13 +195,17 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_PARTS[part]}.{kind}"
 
 
-def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType) -> None:
+def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
+               sampling: dict | None = None) -> None:
     """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama), matrices in `qtype`;
-    round `hf_model`'s own weights the same way so it stays the exact reference."""
+    round `hf_model`'s own weights the same way so it stays the exact reference. `sampling`:
+    `general.sampling.<key>` values (e.g. {"temp": 0.6})."""
     import gguf
 
     config = hf_model.config
     writer = gguf.GGUFWriter(path, arch)
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -250,6 +255,89 @@ def test_gguf_file_matches_transformers(tmp_path, kind, qtype):
         full = hf_model(torch.tensor([token_ids])).logits[0]
     reference = full[[end - 1 for end in [*split, len(token_ids)]]]
     torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
+
+
+def test_gguf_sampling_keys_are_its_generation_config(tmp_path):
+    hf_model = save_tiny_hf_model(tmp_path / "hf")
+    path = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(path, hf_model, "llama", Q.F16,
+                   sampling={"temp": 0.6, "top_k": 20, "top_p": 0.95, "penalty_repeat": 1.1})
+    assert make_loader(path).load_generation_config() == {
+        "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1}
+    plain = tmp_path / "plain.gguf"
+    with torch.no_grad():
+        write_gguf(plain, hf_model, "llama", Q.F16)
+    assert load_model(plain).generation_config == {}
+
+
+def test_hf_directory_generation_config_is_loaded(tmp_path):
+    save_tiny_hf_model(tmp_path)
+    (tmp_path / "generation_config.json").unlink()  # save_pretrained writes one
+    assert load_model(tmp_path).generation_config == {}
+    content = {"temperature": 0.7, "max_new_tokens": 9, "eos_token_id": [2, 3], "do_sample": True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(content))
+    loaded = load_model(tmp_path)
+    assert loaded.generation_config == content
+    assert loaded.config.eos_token_ids == (2, 3)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        make_loader(tmp_path)
+
+
+# ------------------------------------------------------- Hub ids, from the local cache
+def make_hub_cache(cache_dir: Path, repo_id: str, commit: str = "0123abcd") -> Path:
+    """An empty snapshot of `repo_id` laid out as huggingface_hub's cache lays one out
+    (`models--org--name/snapshots/<commit>/`, `refs/main` naming the commit); fill it."""
+    repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """An empty Hub cache that huggingface_hub (and kvpool) look models up in."""
+    from huggingface_hub import constants
+
+    cache_dir = tmp_path / "hf-home" / "hub"
+    cache_dir.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache_dir))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache_dir))  # read once, at import
+    return cache_dir
+
+
+def test_a_hub_id_loads_its_cached_snapshot(hub_cache):
+    snapshot = make_hub_cache(hub_cache, "org/tiny-llama")
+    save_tiny_hf_model(snapshot)
+    assert detect_load_format("org/tiny-llama") == "safetensors"
+    by_id, by_path = load_model("org/tiny-llama"), load_model(snapshot)
+    token_ids = list(range(3, 40))
+    torch.testing.assert_close(kvpool_step_logits(by_id, token_ids, [30]),
+                               kvpool_step_logits(by_path, token_ids, [30]), atol=0, rtol=0)
+    assert make_loader("org/tiny-llama", "dummy").load_config().hidden_size == 64
+
+
+def test_a_local_directory_wins_over_the_hub_id_it_looks_like(hub_cache, tmp_path, monkeypatch):
+    save_tiny_hf_model(tmp_path / "org" / "local-model")
+    monkeypatch.chdir(tmp_path)
+    assert detect_load_format("org/local-model") == "safetensors"
+
+
+@pytest.mark.parametrize("is_offline", [True, False])
+def test_a_hub_model_missing_from_the_cache_says_how_to_get_it(hub_cache, monkeypatch,
+                                                               is_offline):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", is_offline)
+    with pytest.raises(ValueError, match="`hf download org/absent`") as error:
+        load_model("org/absent")
+    assert str(hub_cache) in str(error.value)
+    assert ("HF_HUB_OFFLINE is set" in str(error.value)) == is_offline
+    with pytest.raises(ValueError, match="no such model file"):
+        load_model("/no/such/model.gguf")  # a path, never taken for a Hub id
 
 
 # -------------------------------------------------------------------- dummy weights

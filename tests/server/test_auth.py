@@ -1,15 +1,19 @@
 """API keys, tenants and prefix-cache isolation: unit checks of `kvpool.server.auth`, then the
-real server: 401 without or with a wrong key (and no work done), /health open, and one tenant
-never hitting another's cached prefix while a client salt only narrows sharing."""
+real server: 401 without or with a wrong key (and no work done), /health and /ping open, one
+tenant never hitting another's cached prefix while a client salt only narrows sharing, and the
+keys `kvpool serve` takes from repeated `--api-key` flags or the environment."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from kvpool.cli import build_parser
+from kvpool.cli.serve import server_config_from_args
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.server.auth import ApiKeyTable, derive_cache_salt, parse_key_file
 from kvpool.server.config import ServerConfig
@@ -41,10 +45,12 @@ def test_authenticate_finds_the_tenant_of_a_bearer_key() -> None:
 def test_api_key_and_key_file_combine(tmp_path: Path) -> None:
     path = tmp_path / "keys.txt"
     path.write_text(KEY_FILE)
-    table = ApiKeyTable.from_config("key-default", path)
-    assert [table.authenticate(f"Bearer key-{name}") for name in ("default", "alice")] == [
-        "default", "alice"
+    table = ApiKeyTable.from_config(["key-default", "key-other"], path)
+    names = ("default", "other", "alice")
+    assert [table.authenticate(f"Bearer key-{name}") for name in names] == [
+        "default", "default", "alice"
     ]
+    assert ApiKeyTable.from_config("key-default").authenticate("Bearer key-default") == "default"
 
 
 def test_cache_salt_is_the_tenant_narrowed_by_the_client() -> None:
@@ -73,24 +79,30 @@ def server(make_server, tmp_path: Path):
 @pytest.mark.parametrize(
     ("method", "path"),
     [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-     ("GET", "/metrics"), ("GET", "/v1/kv/stats"), ("GET", "/openapi.json"), ("GET", "/nope")],
+     ("GET", "/metrics"), ("GET", "/v1/kv/stats"), ("GET", "/openapi.json"), ("GET", "/nope"),
+     ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version")],
 )
 def test_every_route_but_health_needs_a_key(server, method: str, path: str) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": messages}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": messages,
+            "tokens": [1, 2]}
+    if path == "/tokenize":  # takes a prompt or messages, not both
+        del body["messages"]
     with httpx.Client(base_url=server.base_url) as http:
         missing = http.request(method, path, json=body)
         wrong = http.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
         right = http.request(method, path, json=body, headers={"Authorization": "Bearer key-bob"})
     assert missing.status_code == wrong.status_code == 401
-    assert missing.json()["error"]["code"] == "missing_api_key"
-    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    assert missing.json()["error"]["code"] == wrong.json()["error"]["code"] == 401
+    assert "no API key given" in missing.json()["error"]["message"]
+    assert "incorrect API key" in wrong.json()["error"]["message"]
     assert missing.headers["www-authenticate"] == "Bearer"
     assert right.status_code == (404 if path == "/nope" else 200)
 
 
 def test_health_is_open_and_refused_requests_do_no_work(server) -> None:
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.base_url}/ping").json() == {"status": "ok"}
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").completions.create(model=MODEL, prompt=PROMPT)
     snapshot = server.engine.snapshot()
@@ -114,3 +126,57 @@ def test_tenants_never_share_a_cached_prefix(server) -> None:
     assert cached("key-alice", salt="project-x") > 0
     assert cached("key-bob", salt="project-x") == 0  # ... and never widens across tenants
     assert cached("key-alice") > 0
+
+
+def test_the_openai_client_sees_the_status_as_the_error_code(server) -> None:
+    with pytest.raises(openai.AuthenticationError) as refused:
+        server.client(api_key="wrong").models.list()
+    assert refused.value.body["code"] == 401  # the body keeps the integer
+    assert refused.value.code == "401"  # the client's `code` attribute is a string
+
+
+def serve_args(*flags: str):
+    return build_parser().parse_args(["serve", "tiny", "--load-format", "dummy", *flags])
+
+
+def test_repeated_api_keys_each_open_the_server_as_the_default_tenant(make_server) -> None:
+    config = server_config_from_args(serve_args("--api-key", "key-one", "--api-key", "key-two"))
+    server = make_server(dataclasses.replace(config, served_model_names=(MODEL,)))
+
+    def cached(key: str) -> int:
+        completion = server.client(api_key=key).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"ignore_eos": True})
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("key-one") == 0
+    assert cached("key-two") > 0  # one tenant: the second key hits the first's prefix
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="key-three").models.list()
+
+
+@pytest.mark.parametrize(
+    ("env", "accepted", "refused"),
+    [({"VLLM_API_KEY": "key-vllm"}, "key-vllm", "key-kvpool"),
+     ({"KVPOOL_API_KEY": "key-kvpool", "VLLM_API_KEY": "key-vllm"}, "key-kvpool", "key-vllm")],
+)
+def test_the_api_key_can_come_from_the_environment(
+    make_server, monkeypatch, env: dict[str, str], accepted: str, refused: str
+) -> None:
+    for name in ("KVPOOL_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = server_config_from_args(serve_args())
+    server = make_server(dataclasses.replace(config, served_model_names=(MODEL,)))
+    assert [card.id for card in server.client(api_key=accepted).models.list()] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key=refused).models.list()
+    with httpx.Client(base_url=server.base_url) as http:
+        assert http.get("/v1/models").status_code == 401
+
+
+def test_an_api_key_flag_overrides_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "key-vllm")
+    keys = server_config_from_args(serve_args("--api-key", "key-flag")).api_keys
+    assert keys.authenticate("Bearer key-flag") == "default"
+    assert keys.authenticate("Bearer key-vllm") is None

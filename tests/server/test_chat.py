@@ -88,3 +88,33 @@ def test_n_choices_and_content_parts(server) -> None:
     assert [c.message.content for c in as_parts.choices] == [
         c.message.content for c in as_text.choices
     ]
+
+
+def test_prompt_logprobs_come_on_the_response_and_logit_bias_forces_a_token(
+    server, smollm2
+) -> None:
+    """vLLM puts chat prompt_logprobs on the response itself; OpenAI's logit_bias (string
+    keys, from the official client) at 100 all but forces its token."""
+    prompt_ids = smollm2.tokenizer.apply_chat_template(MESSAGES)
+    forced_id = smollm2.tokenizer.encode(" Blue")[0]
+    response = server.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=1, temperature=0,
+        logit_bias={str(forced_id): 100}, extra_body={"prompt_logprobs": 0})
+    assert response.choices[0].message.content == smollm2.tokenizer.decode([forced_id])
+    prompt_logprobs = response.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    assert [list(position) for position in prompt_logprobs[1:]] == [
+        [str(token_id)] for token_id in prompt_ids[1:]]
+
+
+def test_continue_final_message_continues_the_assistant(server, smollm2) -> None:
+    partial = [*MESSAGES, {"role": "assistant", "content": "A primary colour is"}]
+    response = server.client().chat.completions.create(
+        model=MODEL, messages=partial, max_completion_tokens=3, **GREEDY | {"extra_body": {
+            "ignore_eos": True, "continue_final_message": True,
+            "add_generation_prompt": False}})
+    text = smollm2.tokenizer.apply_chat_template(partial, add_generation_prompt=False,
+                                                 continue_final_message=True, tokenize=False)
+    assert text.endswith("A primary colour is")
+    assert response.usage.prompt_tokens == len(smollm2.tokenizer.encode(
+        text, add_special_tokens=False))

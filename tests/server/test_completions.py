@@ -186,3 +186,127 @@ def test_stream_chunks_carry_only_news_and_each_finish_reason_once(server) -> No
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (
         whole.usage.prompt_tokens, whole.usage.completion_tokens)
+
+
+# ------------------------------------------------------------ vLLM's request fields
+def test_echo_returns_the_prompt_with_its_logprobs_first(server, smollm2) -> None:
+    """lm-eval's loglikelihood request: echo, logprobs 1, max_tokens 1. The prompt's tokens
+    come first, the very first with null logprobs; the rest are the prompt logprobs."""
+    client = server.client()
+    num_prompt = len(smollm2.tokenizer.encode(PROMPT))
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                           logprobs=1, echo=True, **GREEDY)
+    choice = completion.choices[0]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, **GREEDY)
+    assert choice.text == PROMPT + plain.choices[0].text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == num_prompt + 1
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i]))
+                                    for i in range(num_prompt + 1)]
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    ids = smollm2.tokenizer.encode(PROMPT)
+    assert [None] + [prompt_logprobs[i][str(ids[i])]["logprob"] for i in range(1, num_prompt)
+                     ] == logprobs.token_logprobs[:num_prompt]
+    only_prompt = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0,
+                                            logprobs=1, echo=True, **GREEDY).choices[0]
+    assert only_prompt.text == PROMPT
+    assert only_prompt.logprobs.token_logprobs == logprobs.token_logprobs[:num_prompt]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, echo=True, stream=True, **GREEDY))
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, echo=True,
+                                      **GREEDY)
+    assert streamed == whole.choices[0].text
+    assert whole.choices[0].text.startswith(PROMPT)
+
+
+def test_prompt_logprobs_have_vllms_shape(server, smollm2) -> None:
+    """Per prompt token: null for the first, else token id -> {logprob, rank, decoded_token},
+    holding the prompt's own token and the top k."""
+    ids = smollm2.tokenizer.encode(PROMPT)
+    choice = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": 2, "ignore_eos": True}).choices[0]
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids)
+    assert prompt_logprobs[0] is None
+    for token_id, position in zip(ids[1:], prompt_logprobs[1:], strict=True):
+        assert str(token_id) in position
+        assert 2 <= len(position) <= 3
+        assert {1, 2} <= {entry["rank"] for entry in position.values()}
+        assert all(set(entry) == {"logprob", "rank", "decoded_token"}
+                   for entry in position.values())
+    assert choice.logprobs is None
+
+
+def test_stop_token_ids_stop_and_name_the_stop_reason(server, smollm2) -> None:
+    reference = offline_generate(
+        smollm2, PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ).outputs[0]
+    stop_id = reference.token_ids[3]
+    first = reference.token_ids.index(stop_id)
+    choice = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, **GREEDY | {"extra_body": {
+            "ignore_eos": True, "stop_token_ids": [stop_id]}}).choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop_id
+    assert choice.text == smollm2.tokenizer.decode(reference.token_ids[:first])
+
+
+def test_include_stop_str_in_output_keeps_the_stop(server) -> None:
+    client = server.client()
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                     **GREEDY).choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    kept = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, stop=[stop],
+        **GREEDY | {"extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}},
+    ).choices[0]
+    assert kept.text == text[: text.find(stop)] + stop
+    assert kept.finish_reason == "stop"
+
+
+def test_logit_bias_and_bad_words_change_the_greedy_text(server, smollm2) -> None:
+    client = server.client()
+    reference = offline_generate(
+        smollm2, PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ).outputs[0]
+    first_id = reference.token_ids[0]
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **GREEDY,
+                                       logit_bias={str(first_id): -100})
+    assert not banned.choices[0].text.startswith(smollm2.tokenizer.decode([first_id]))
+    forced_id = smollm2.tokenizer.encode(" Lyon")[0]
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, **GREEDY,
+                                       logit_bias={str(forced_id): 100})
+    assert forced.choices[0].text == smollm2.tokenizer.decode([forced_id])
+    word = reference.text.split()[0]
+    without = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **GREEDY |
+                                        {"extra_body": {"ignore_eos": True,
+                                                        "bad_words": [word]}})
+    assert word not in without.choices[0].text
+
+
+def test_priority_is_accepted_and_changes_no_text(server) -> None:
+    client = server.client()
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **GREEDY)
+    urgent = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **GREEDY |
+                                       {"extra_body": {"ignore_eos": True, "priority": -10}})
+    assert urgent.choices[0].text == plain.choices[0].text
+
+
+def test_allowed_token_ids_and_skip_special_tokens(server, smollm2) -> None:
+    """Only <|im_start|> may be sampled: skipped from the text by default, shown with
+    skip_special_tokens false."""
+    special_id = smollm2.tokenizer.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    body = {"ignore_eos": True, "allowed_token_ids": [special_id]}
+    client = server.client()
+    skipped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                        **GREEDY | {"extra_body": body})
+    shown = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2,
+        **GREEDY | {"extra_body": {**body, "skip_special_tokens": False}})
+    assert skipped.choices[0].text == ""
+    assert shown.choices[0].text == "<|im_start|><|im_start|>"
+    assert skipped.usage.completion_tokens == shown.usage.completion_tokens == 2

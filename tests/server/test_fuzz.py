@@ -39,6 +39,7 @@ def check_response(case: schemathesis.Case) -> None:
     if response.status_code >= 400 and case.path != "/metrics":
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == response.status_code
 
 
 @pytest.mark.parametrize("mode", list(MAX_EXAMPLES), ids=lambda mode: mode.value)

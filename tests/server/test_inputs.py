@@ -35,6 +35,7 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
     body = response.json()
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status  # vLLM's shape: the HTTP status, an integer
     assert len(body["error"]["message"]) <= MAX_MESSAGE_CHARS
     return body["error"]
 
@@ -64,7 +65,7 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": list(range(1, MAX_MODEL_LEN + 1))}, "prompt", "context length"),
     (COMPLETIONS, {"prompt": "word " * 200}, "prompt", "context length"),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 200}]}, "messages", "context"),
-    (COMPLETIONS, {"prompt": [1] * 10, "max_tokens": 60}, "max_tokens", "leaves 54"),
+    (COMPLETIONS, {"prompt": [1] * 10, "max_tokens": 65}, "max_tokens", "context length, 64"),
     (CHAT, {"messages": USER, "max_completion_tokens": 999}, "max_completion_tokens", "context"),
     (COMPLETIONS, {"prompt": "hi", "n": 17}, "n", "at most 16"),
     (COMPLETIONS, {"prompt": "hi", "n": 0}, "n", "n must be at least 1"),
@@ -83,7 +84,36 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "[0, 20]"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "not supported"),
+    (CHAT, {"messages": USER, "echo": True}, "echo", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "length_penalty": 0.5}, "length_penalty", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens",
+     "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "return_token_ids": True}, "return_token_ids",
+     "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "spaces_between_special_tokens": False},
+     "spaces_between_special_tokens", "only"),
+    (CHAT, {"messages": USER, "functions": [{"name": "f"}]}, "functions", "use tools"),
+    (CHAT, {"messages": USER, "audio": {"voice": "x"}}, "audio", "not supported"),
+    (CHAT, {"messages": USER, "chat_template": "{{ x }}"}, "chat_template", "--chat-template"),
+    (CHAT, {"messages": USER, "continue_final_message": True}, "continue_final_message",
+     "add_generation_prompt"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x1": 5}}, "logit_bias", "token ids"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"49152": 1}}, "logit_bias", "must be in"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias", "valid number"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", "greater than"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids", "must be in"),
+    (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    (COMPLETIONS, {"prompt": "hi", "bad_words": [""]}, "bad_words", "non-empty"),
+    (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
+    (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+     "stream"),
+    (CHAT, {"messages": USER, "prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
+    (COMPLETIONS, {"prompt": "hi", "priority": "high"}, "priority", "valid integer"),
+    (COMPLETIONS, {"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens",
+     "valid boolean"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
     (COMPLETIONS, {"prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16"),
     (COMPLETIONS, {"prompt": "hi", "stop": [""]}, "stop", "non-empty"),
@@ -121,7 +151,7 @@ def test_malformed_body_is_400(server, raw: bytes, content_type: str, words: str
 def test_unknown_model_is_404_as_openai_answers_without_echoing_it(server) -> None:
     long_name = "m" * 50_000
     error = error_of(post(server, COMPLETIONS, {"model": long_name, "prompt": "hi"}), 404)
-    assert error["code"] == "model_not_found"
+    assert (error["code"], error["param"]) == (404, "model")
     assert long_name[:1000] not in error["message"]
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="other-model", prompt="hi", max_tokens=1)
@@ -134,7 +164,7 @@ def test_oversized_body_is_413_declared_or_chunked(server) -> None:
         declared = http.post(COMPLETIONS, content=body, headers=headers)
         chunked = http.post(COMPLETIONS, content=iter([body[:1000], body[1000:]]), headers=headers)
     for response in (declared, chunked):
-        assert error_of(response, 413)["code"] == "request_too_large"
+        assert error_of(response, 413)["type"] == "invalid_request_error"
 
 
 def test_wrong_route_and_method_keep_the_error_shape(server) -> None:
@@ -167,7 +197,7 @@ def test_a_lone_surrogate_cache_salt_is_400_naming_cache_salt_before_the_engine(
     with server.http() as http:
         response = http.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
     error = error_of(response, 400)
-    assert (error["param"], error["code"]) == ("cache_salt", None)
+    assert (error["param"], error["code"]) == ("cache_salt", 400)
     assert "\ud800" not in error["message"]
     assert added == []
 
@@ -262,7 +292,7 @@ def test_beyond_max_queued_sequences_is_429_and_never_reaches_the_engine(make_se
         ]
         alone = http.post(COMPLETIONS, json={"prompt": ["a", "b", "c"], "max_tokens": 1, "n": 2})
     for response in refused:
-        assert error_of(response, 429)["code"] == "rate_limit_exceeded"
+        assert error_of(response, 429)["type"] == "rate_limit_error"
         assert response.headers["retry-after"] == "1"
         assert "more than 4 sequences" in response.json()["error"]["message"]
     assert error_of(alone, 400)["param"] == "n"
@@ -282,3 +312,50 @@ def test_beyond_max_queued_sequences_is_429_and_never_reaches_the_engine(make_se
             assert time.monotonic() < deadline, "the closed stream never released its sequences"
             time.sleep(0.05)
     assert len(completion.choices) == 4
+
+
+def test_max_tokens_beyond_the_room_is_clamped_as_vllm_does(make_server) -> None:
+    """Only a budget beyond the whole context is an error; within it, the output gets what
+    the context leaves after the prompt."""
+    server = make_server(max_model_len=MAX_MODEL_LEN)
+    completion = server.client().completions.create(
+        model=MODEL, prompt=[1] * 10, max_tokens=MAX_MODEL_LEN, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == MAX_MODEL_LEN - 10
+    assert completion.choices[0].finish_reason == "length"
+    reply = server.client().chat.completions.create(
+        model=MODEL, messages=USER, max_completion_tokens=MAX_MODEL_LEN,
+        extra_body={"ignore_eos": True})
+    assert reply.usage.total_tokens == MAX_MODEL_LEN
+
+
+def test_fields_left_out_take_the_models_generation_config_defaults(make_server) -> None:
+    """`engine.default_sampling_params()` (the model's generation_config.json) fills what a
+    request leaves out: here a greedy default and a chat output budget of 3 tokens."""
+    server = make_server()
+    server.engine.engine.default_sampling_params = lambda: {"temperature": 0.0, "max_tokens": 3}
+    client = server.client()
+    replies = [client.chat.completions.create(model=MODEL, messages=USER, seed=seed,
+                                              extra_body={"ignore_eos": True})
+               for seed in (1, 2)]
+    assert [reply.usage.completion_tokens for reply in replies] == [3, 3]
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    explicit = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5,
+                                              extra_body={"ignore_eos": True})
+    assert explicit.usage.completion_tokens == 5
+
+
+def test_neutral_values_of_unsupported_fields_and_vllm_nulls_pass(make_server) -> None:
+    """Clients often send defaults explicitly: those are accepted, as are seed -1 and stop
+    null (vLLM's "none"), n and logprobs null, and fields no one defines."""
+    server = make_server()
+    with server.http() as http:
+        completion = http.post(COMPLETIONS, json={
+            "prompt": "hi", "max_tokens": 2, "use_beam_search": False, "best_of": 1,
+            "length_penalty": 1.0, "spaces_between_special_tokens": True, "seed": -1,
+            "stop": None, "n": None, "echo": False, "suffix": None, "made_up_field": [1],
+            "guided_json": None, "priority": -3, "store": True, "metadata": {"a": "b"}})
+        chat = http.post(CHAT, json={
+            "messages": USER, "max_tokens": 2, "logprobs": None, "tool_choice": "none",
+            "response_format": {"type": "text"}, "parallel_tool_calls": True,
+            "modalities": ["text"], "service_tier": "auto", "reasoning_effort": "low"})
+    assert completion.status_code == chat.status_code == 200, (completion.text, chat.text)

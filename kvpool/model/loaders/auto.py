@@ -1,10 +1,11 @@
 """`load_model`: one entry point from "what the user named" to a ready model and tokenizer.
 
-`load_format` picks the source; "auto" decides from the path: a `.gguf` file (or a directory
-holding exactly one) is GGUF, a directory with `config.json` and `*.safetensors` is a HuggingFace
-checkpoint. Random weights are never chosen implicitly: `load_format="dummy"` takes a preset name,
-a `ModelConfig`, or a real model path (whose config is used), and None means the default model's
-shape.
+The model is a path, or a Hugging Face Hub id ("org/name") found in the local Hub cache
+(`kvpool.model.loaders.hub`). `load_format` picks the source; "auto" decides from the path: a
+`.gguf` file (or a directory holding exactly one) is GGUF, a directory with `config.json` and
+`*.safetensors` is a HuggingFace checkpoint. Random weights are never chosen implicitly:
+`load_format="dummy"` takes a preset name, a `ModelConfig`, or a real model path (whose config
+is used), and None means the default model's shape.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvpool.model.llama import LlamaModel
 from kvpool.model.loaders.base import LoadedModel, WeightLoader
 from kvpool.model.loaders.dummy import DummyLoader
 from kvpool.model.loaders.hf_dir import SafetensorsLoader, is_hf_directory
+from kvpool.model.loaders.hub import resolve_model_path
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEFAULT_DUMMY_PRESET = "smollm2-135m"
@@ -37,8 +39,9 @@ def _gguf_file(path: Path) -> Path | None:
 
 
 def detect_load_format(model: str | Path) -> str:
-    """"gguf" or "safetensors" for an existing path; ValueError otherwise."""
-    path = Path(model)
+    """"gguf" or "safetensors" for an existing path (or a cached Hub id); ValueError
+    otherwise."""
+    path = resolve_model_path(model)
     if not path.exists():
         hint = " (a preset: pass load_format='dummy')" if str(model) in PRESETS else ""
         raise ValueError(f"no such model file or directory: {model}{hint}")
@@ -60,7 +63,7 @@ def make_loader(model: ModelSource, load_format: str = "auto", seed: int = 0) ->
         return DummyLoader(_dummy_config(model), seed)
     if isinstance(model, ModelConfig):
         raise ValueError("a ModelConfig has no weights: load it with load_format='dummy'")
-    path = Path(model) if model is not None else default_model_path()
+    path = resolve_model_path(model) if model is not None else default_model_path()
     if load_format == "auto":
         load_format = detect_load_format(path)
     if load_format == "gguf":
@@ -82,7 +85,7 @@ def _dummy_config(model: ModelSource) -> ModelConfig:
         return ModelConfig.preset(DEFAULT_DUMMY_PRESET)
     if str(model) in PRESETS:
         return ModelConfig.preset(str(model))
-    if not Path(model).exists():
+    if not resolve_model_path(model).exists():
         raise ValueError(f"{model!r} is neither a preset ({sorted(PRESETS)}) nor a model path")
     return make_loader(model, "auto").load_config()
 
@@ -95,7 +98,7 @@ def load_model(
     attention_backend: AttentionBackend | None = None,
     seed: int = 0,
 ) -> LoadedModel:
-    """Build the model, fill its weights, and load its tokenizer.
+    """Build the model, fill its weights, and load its tokenizer and generation config.
 
     `dtype` is a torch dtype or a name (`kvpool.model.dtype`; "auto" is decided for `device`).
     `attention_backend` defaults to the torch reference backend. `seed` only affects dummy
@@ -114,4 +117,5 @@ def load_model(
     llama.pack_weights()
     llama.eval()
     tokenizer = loader.load_tokenizer()
-    return LoadedModel(config, llama, tokenizer, time.perf_counter() - start)
+    return LoadedModel(config, llama, tokenizer, time.perf_counter() - start,
+                       loader.load_generation_config())

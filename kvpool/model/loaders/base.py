@@ -1,17 +1,19 @@
 """The `WeightLoader` protocol every weight source implements, and what loading returns.
 
 A loader reads one source (a GGUF file, a HuggingFace directory, random numbers) and answers
-three questions: the model's config, its weights as `(checkpoint name, tensor)` pairs, and the
-tokenizer that goes with them. Checkpoint names are HuggingFace's without the `model.` prefix
-(`embed_tokens.weight`, `layers.3.self_attn.q_proj.weight`, `lm_head.weight`); tensors are
-yielded one at a time so a loader never holds the whole model twice.
+four questions: the model's config, its weights as `(checkpoint name, tensor)` pairs, the
+tokenizer that goes with them, and its generation config (HF's `generation_config.json`, whose
+sampling fields become the engine's request defaults: `kvpool.engine.generation_config`).
+Checkpoint names are HuggingFace's without the `model.` prefix (`embed_tokens.weight`,
+`layers.3.self_attn.q_proj.weight`, `lm_head.weight`); tensors are yielded one at a time so a
+loader never holds the whole model twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class WeightLoader(Protocol):
-    """One source of a model's config, weights and tokenizer."""
+    """One source of a model's config, weights, tokenizer and generation config."""
 
     def load_config(self) -> ModelConfig: ...
 
@@ -35,6 +37,10 @@ class WeightLoader(Protocol):
 
     def load_tokenizer(self) -> Tokenizer | None: ...
 
+    def load_generation_config(self) -> dict[str, Any]:
+        """The source's generation_config.json as a dict; {} when it has none."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
@@ -42,3 +48,4 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer | None  # None for dummy weights: prompts must then be token ids
     load_seconds: float
+    generation_config: Mapping[str, Any] = field(default_factory=dict)  # {}: none

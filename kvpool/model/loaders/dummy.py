@@ -8,6 +8,7 @@ and norm weights are 1. No tokenizer: prompts must be token ids.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -45,3 +46,6 @@ class DummyLoader:
 
     def load_tokenizer(self) -> Tokenizer | None:
         return None
+
+    def load_generation_config(self) -> dict[str, Any]:
+        return {}  # made-up weights have no sampling defaults

@@ -8,6 +8,9 @@ Why Q/K rows are permuted back: llama.cpp's converter reorders each head's Q and
 HuggingFace's rotate-half layout (dimension i pairs with i + head_dim/2) to interleaved pairs
 (2i with 2i+1), which its rotary kernel expects. Our rotary embedding uses the rotate-half layout,
 so for `llama` files the rows are put back. Qwen2 files are written without the reordering.
+
+Sampling defaults: llama.cpp's converter copies a model's generation_config.json into
+`general.sampling.*` keys; `load_generation_config` gives them back under HF's names.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from kvpool.model.config import ModelConfig
 from kvpool.model.loaders.dequant import dequantize
 from kvpool.model.tokenizer import Tokenizer
 
+# general.sampling.<key> -> generation_config.json's name for it.
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
@@ -115,3 +121,13 @@ class GGUFLoader:
             return None
         eos_ids = ModelConfig.from_gguf_metadata(self.metadata, self.tensors.keys()).eos_token_ids
         return Tokenizer.from_gguf(self.path, self.metadata, eos_ids)
+
+    def load_generation_config(self) -> dict[str, Any]:
+        config = {}
+        for key, hf_name in _SAMPLING_KEYS.items():
+            value = self.metadata.get(f"general.sampling.{key}")
+            if isinstance(value, float):  # stored as float32: 0.6 reads 0.6000000238...
+                value = float(str(np.float32(value)))
+            if value is not None:
+                config[hf_name] = value
+        return config

@@ -2,8 +2,8 @@
 
 Expected: `config.json`, one or more `*.safetensors` files (sharded or not) and, optionally,
 tokenizer files and `generation_config.json` (whose `eos_token_id` often lists more stop tokens
-than `config.json` does). Tensors stream one at a time from `safetensors.safe_open`, straight onto
-the target device.
+than `config.json` does, and whose sampling fields are the model's request defaults). Tensors
+stream one at a time from `safetensors.safe_open`, straight onto the target device.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from safetensors import safe_open
 from kvpool.model.config import ModelConfig
 from kvpool.model.tokenizer import Tokenizer
 
+GENERATION_CONFIG_FILE = "generation_config.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -26,6 +27,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def is_hf_directory(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_generation_config(directory: str | Path) -> dict[str, Any]:
+    """`directory`'s generation_config.json as a dict ({} when there is none); ValueError if
+    it is not a JSON object."""
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        content = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(content).__name__}")
+    return content
 
 
 class SafetensorsLoader:
@@ -39,16 +55,19 @@ class SafetensorsLoader:
                 "(needs config.json and *.safetensors)"
             )
         self.hf_config: dict[str, Any] = json.loads((self.directory / "config.json").read_text())
+        self.generation_config = read_generation_config(self.directory)
 
     def load_config(self) -> ModelConfig:
         config = ModelConfig.from_hf_config(self.hf_config)
-        generation_path = self.directory / "generation_config.json"
-        if generation_path.is_file():
-            extra = json.loads(generation_path.read_text()).get("eos_token_id")
-            extra_ids = [extra] if isinstance(extra, int) else list(extra or ())
+        extra = self.generation_config.get("eos_token_id")
+        if extra is not None:
+            extra_ids = [extra] if isinstance(extra, int) else list(extra)
             eos_ids = tuple(dict.fromkeys([*config.eos_token_ids, *extra_ids]))
             config = config.replace(eos_token_ids=eos_ids)
         return config
+
+    def load_generation_config(self) -> dict[str, Any]:
+        return dict(self.generation_config)
 
     def iter_weights(
         self, config: ModelConfig, device: torch.device

@@ -1,0 +1,199 @@
+"""Structured outputs' grammars: compiling a `StructuredOutputsParams` with xgrammar, and the
+per-sequence matcher that says which tokens may come next.
+
+`GrammarCompiler.compile(spec)` turns a spec into a `CompiledGrammar` (token-level: it knows
+the model's vocabulary) and keeps the latest `cache_size` of them, keyed by `spec.key`, so
+equal specs compile once. It is thread-safe, and a spec that several
+threads ask for at once is compiled once: the others wait for the first. Compiling can take
+milliseconds to seconds, so callers do it before a request reaches the engine's step loop:
+the async engine compiles in a worker thread, the server while validating input;
+`LLMEngine.add_request` then only hits the cache (offline, `add_request` is itself "ahead" of
+the steps).
+
+`GrammarMatcher` is one sequence's position in its grammar: `fill` writes the allowed next
+tokens into a row of an int32 bitmask (bit `t % 32` of word `t // 32` set: token t allowed),
+`accept` advances by the sampled token. A matcher only ever moves forward with the sequence's
+output tokens, which preemption (recompute or swap) keeps, so its state stays valid across
+preemptions. Token ids the model has beyond the tokenizer's are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import xgrammar
+
+from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept; a JSON schema's is tens to hundreds of KiB
+BITS_PER_WORD = 32  # the bitmask is int32 (xgrammar's `bitmask_dtype`)
+
+# What each kind's compile failure says. Fixed text: xgrammar's own messages quote the spec,
+# and a server must not echo client input back.
+_INVALID = {
+    "json": "the JSON schema is invalid or uses features that are not supported",
+    "regex": "the regex is invalid or uses features that are not supported",
+    "choice": "the choices cannot be compiled",
+    "grammar": "the grammar is not valid EBNF (or uses features that are not supported)",
+    "json_object": "the JSON grammar cannot be compiled",
+}
+
+
+class GrammarMatcher:
+    """One sequence's state in its grammar (an xgrammar matcher), advanced token by token."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self._matcher = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the tokens allowed next into `bitmask[row]` (a CPU int32 tensor of
+        `bitmask_width` words per row); return whether the row forbids anything. A terminated
+        matcher leaves its row as it was (its sequence has ended) and returns False."""
+        if self._matcher.is_terminated():
+            return False
+        return self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by `token_id`; False (state unchanged) if the grammar does not allow it."""
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token (EOS) has been accepted."""
+        return self._matcher.is_terminated()
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class CompiledGrammar:
+    """A spec compiled against one vocabulary; makes any number of matchers."""
+
+    key: tuple[str, str]  # `spec.key`
+    grammar: xgrammar.CompiledGrammar
+
+    def new_matcher(self) -> GrammarMatcher:
+        """A matcher at the start of the grammar (cheap: microseconds)."""
+        return GrammarMatcher(xgrammar.GrammarMatcher(self.grammar))
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer and model vocabulary, caching the latest."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Iterable[int] | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        """`vocab_size` is the model's (its logits' width), which may exceed the tokenizer's;
+        `stop_token_ids` (default: the tokenizer's EOS ids) end a completed grammar."""
+        if cache_size < 1:
+            raise ValueError("cache_size must be at least 1")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(
+            tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        self.cache_size = cache_size
+        self._lock = threading.Lock()  # guards the cache
+        self._init_lock = threading.Lock()  # guards building xgrammar's compiler
+        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use (~0.3 s)
+
+    @property
+    def bitmask_width(self) -> int:
+        """int32 words per bitmask row: ceil(vocab_size / 32)."""
+        return -(-self.vocab_size // BITS_PER_WORD)
+
+    @property
+    def num_cached(self) -> int:
+        """Compiled grammars in the cache (and compiles under way)."""
+        with self._lock:
+            return len(self._cache)
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The spec's compiled grammar, from the cache or compiled now; InvalidRequestError
+        (param `structured_outputs.<kind>`) if xgrammar rejects it."""
+        key = spec.key
+        with self._lock:
+            future = self._cache.get(key)
+            is_owner = future is None
+            if is_owner:
+                future = Future()
+                self._cache[key] = future
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        if is_owner:
+            self._compile_into(future, key)
+        return future.result()
+
+    def _compile_into(self, future: Future[CompiledGrammar], key: tuple[str, str]) -> None:
+        """Compile for every thread waiting on `future`; a failure is not cached."""
+        kind = key[0]
+        try:
+            grammar = self._compile(key)
+        except BaseException as error:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+            if isinstance(error, (RuntimeError, ValueError, TypeError)):  # xgrammar's refusals
+                logger.debug("xgrammar rejected a %s spec: %s", kind, error)
+                error = InvalidRequestError(_INVALID[kind], f"structured_outputs.{kind}")
+            future.set_exception(error)
+            return
+        future.set_result(CompiledGrammar(key, grammar))
+
+    def _compile(self, key: tuple[str, str]) -> xgrammar.CompiledGrammar:
+        compiler = self._xgrammar_compiler()
+        kind, text = key
+        if kind == "json":
+            # any_whitespace: vLLM's default (its `disable_any_whitespace` is off).
+            return compiler.compile_json_schema(text, any_whitespace=True)
+        if kind == "json_object":
+            # An object, as OpenAI's json_object promises (the builtin JSON grammar would let
+            # the model answer with an array or a bare number).
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(json.loads(text)))
+        assert kind == "grammar", kind
+        return compiler.compile_grammar(text)
+
+    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._init_lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer.hf_tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids)
+                # Our LRU is the cache; xgrammar's own would be a second, unbounded one.
+                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+            return self._compiler
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices`.
+
+    Each choice becomes a double-quoted EBNF literal in JSON's escaping (quotes, backslashes
+    and control characters escaped); non-ASCII text stays as it is, because xgrammar's EBNF
+    reads \\u escapes one UTF-16 unit at a time and would split characters beyond the BMP.
+    """
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)

@@ -1,0 +1,74 @@
+"""What `Scheduler.schedule()` hands the rest of the step: the batch's chunks, its block
+copies, and who was preempted or capped on the way.
+
+A chunk is one sequence's share of the step; it also says which logits rows the step must
+return for it (`num_samples` rows of its last token, plus the rows of `prompt_logprob_positions`
+for a request that asked for prompt logprobs). Everything in a chunk is fixed when it is
+scheduled: the sequence grows once the step is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.engine.sequence import Sequence
+from kvpool.memory.block_table import BlockCopy
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`token_ids`, the next tokens of `seq` after its first `num_computed_tokens`.
+
+    `num_samples`: the logits rows the step computes for this chunk's last token: 0 while a
+    prompt's prefill is unfinished, 1 when the chunk reaches the sequence's last token, n when
+    that completes the prompt of a request still to fork (one row per future sibling).
+    `prompt_logprob_positions`: the chunk's positions whose logits give prompt logprobs (see
+    `kvpool.engine.prompt_logprobs`); empty for most chunks.
+    """
+
+    seq: Sequence
+    num_computed_tokens: int
+    token_ids: list[int]
+    num_samples: int
+    prompt_logprob_positions: range = range(0)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        return len(self.prompt_logprob_positions)
+
+    @property
+    def completes_sequence(self) -> bool:
+        return self.num_samples > 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.seq.block_table.block_ids
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    length_capped: list[Sequence] = field(default_factory=list)  # outgrew the whole pool
+
+    def written_block_ids(self) -> set[int]:
+        """The device blocks the step writes: its new tokens' slots' blocks and its block
+        copies' destinations (asked by the KV tiers on CUDA, to order their copies)."""
+        written = {copy.dst_block_id for copy in self.block_copies}
+        for chunk in self.chunks:
+            size = chunk.seq.block_table.block_size
+            first = chunk.num_computed_tokens // size
+            last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // size
+            written.update(chunk.block_ids[first : last + 1])
+        return written
+
+    def sampled_sequences(self) -> list[tuple[Sequence, int]]:
+        """(chunk's sequence, completion index) per sampling logits row, in row order; an index
+        not yet among the request's sequences is a sibling `update` forks."""
+        return [(chunk.seq, chunk.seq.index + sample)
+                for chunk in self.chunks for sample in range(chunk.num_samples)]
