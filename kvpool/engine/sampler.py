@@ -12,10 +12,12 @@ Order of operations on each row (float32):
 4. penalties: repetition (prompt and output tokens), presence and frequency (output tokens),
    counted for all penalised rows at once by one scatter-add;
 5. greedy rows: the argmax of the finite logits. Random rows: temperature, top-k, top-p, min-p,
-   then one draw by the exponential race (argmax of p / q with q ~ Exp(1)), which equals
-   sampling from p and lets each seeded row draw q from its own generator while unseeded rows
-   share one draw. A row whose probabilities come out NaN, infinite or all zero falls back to
-   the argmax of its finite logits rather than to whatever index argmax gives NaN (token 0).
+   then one draw by the inverse CDF: u ~ U[0, 1) per row, the token is the first whose
+   cumulative probability exceeds u times the row's total. One uniform per row (not one
+   random number per vocabulary entry, as an exponential race needs: 30x slower on the CPU
+   for 32 rows of 49,152) lets each seeded row draw from its own generator while unseeded
+   rows share one draw. A row whose probabilities come out NaN, infinite or all zero falls
+   back to the argmax of its finite logits rather than to whatever index argmax gives NaN.
    A row with every token forbidden gets an arbitrary token; its grammar matcher then
    rejects it and the sequence ends.
 
@@ -170,26 +172,33 @@ def _sample(
     if any(min_p > 0 for min_p in min_ps):
         min_p = _column(min_ps, device)
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    best = (probs / _race(probs, rows, generator)).max(dim=-1)
-    # q is finite and positive, so the winning score is finite and positive exactly when the
-    # row's probabilities are usable (NaN propagates through max; all-zero gives 0).
-    is_usable = torch.isfinite(best.values) & (best.values > 0)
-    return torch.where(is_usable, best.indices, fallback)
+    cumulative = probs.cumsum(dim=-1)  # [num_random_rows, vocab]
+    total = cumulative[:, -1:]
+    targets = _uniforms(rows, generator, device) * total
+    # right=True: the first token whose cumulative mass exceeds the target, so a token with no
+    # mass (equal cumulative value to its predecessor) is never chosen, not even for u = 0.
+    token_ids = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    # Usable rows have a finite, positive total; a target rounded up to the total (an event
+    # of probability ~2^-24) would run past the vocabulary: the fallback takes it too.
+    is_usable = torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
+    is_usable &= token_ids < probs.shape[1]
+    return torch.where(is_usable, token_ids, fallback)
 
 
-def _race(
-    probs: torch.Tensor, rows: SequenceOf[SamplingRow], generator: torch.Generator | None
+def _uniforms(
+    rows: SequenceOf[SamplingRow], generator: torch.Generator | None, device: torch.device
 ) -> torch.Tensor:
-    """Exp(1) noise: one shared draw, then each seeded row redraws from its private stream."""
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    """U[0, 1) per row, [num_rows, 1]: one shared draw, then each seeded row redraws from its
+    private stream (so its tokens do not depend on the rest of the batch)."""
+    uniforms = torch.rand(len(rows), 1, generator=generator, device=device)
     for index, row in enumerate(rows):
         if row.generator is not None:
-            assert _is_on(row.generator, probs.device), (
-                f"row generator on {row.generator.device}, logits on {probs.device}: "
+            assert _is_on(row.generator, device), (
+                f"row generator on {row.generator.device}, logits on {device}: "
                 "per-row generators must be created on the model's device"
             )
-            race[index].exponential_(generator=row.generator)
-    return race
+            uniforms[index] = torch.rand(1, generator=row.generator, device=device)
+    return uniforms
 
 
 def _is_on(generator: torch.Generator, device: torch.device) -> bool:

@@ -76,6 +76,14 @@ def test_sampling_follows_the_distribution():
     torch.testing.assert_close(counts / 4000, torch.softmax(LOGITS[0], -1), atol=0.03, rtol=0)
 
 
+def test_sampling_never_draws_a_token_without_probability():
+    # Token 0 (first in the cumulative sum) and the last token have no mass: the inverse-CDF
+    # draw must skip them even for extreme uniforms.
+    rows = [row(temperature=1.0, banned=(0, 4), top_k=3)] * 4000
+    token_ids = Sampler(seed=5)(LOGITS.repeat(4000, 1), rows).token_ids
+    assert set(token_ids) <= {1, 2, 3} and len(set(token_ids)) > 1
+
+
 def test_seeded_rows_repeat_whatever_the_rest_of_the_batch():
     def draw(batch_size: int) -> int:
         generator = torch.Generator().manual_seed(42)
@@ -140,8 +148,8 @@ def test_shared_generator_draws_like_a_fresh_generator_seeded_the_same():
     probs = torch.softmax(logits, dim=-1)
     sampler, reference = Sampler(seed=11), torch.Generator().manual_seed(11)
     for _ in range(5):
-        race = torch.empty_like(probs).exponential_(generator=reference)
-        expected = (probs / race).argmax(dim=-1).tolist()
+        targets = torch.rand(3, 1, generator=reference) * probs.sum(dim=-1, keepdim=True)
+        expected = torch.searchsorted(probs.cumsum(dim=-1), targets, right=True)[:, 0].tolist()
         assert sampler(logits, [row(temperature=1.0)] * 3).token_ids == expected
     cpu = torch.device("cpu")
     assert sampler.generator(cpu) is sampler.generator(cpu) and sampler.generator(cpu).device == cpu
