@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,6 +21,20 @@ def smollm2():
     from kvpool.engine.setup import load_engine_model
 
     return load_engine_model(EngineConfig(dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own load of the same GGUF file, fp32: the correctness reference."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpool.model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
 
 
 @pytest.fixture

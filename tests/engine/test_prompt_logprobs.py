@@ -29,20 +29,13 @@ PLAIN = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(smollm2):
-    """transformers' load of the same GGUF (fp32): prompt token ids -> log_softmax of its
-    logits at every position. # [num_tokens, vocab]"""
-    from transformers import AutoModelForCausalLM
-
-    from kvpool.model import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def hf_logprobs(hf_smollm2):
+    """Prompt token ids -> log_softmax of transformers' logits at every position (fp32, the
+    suite-wide reference model). # [num_tokens, vocab]"""
 
     def logprobs(token_ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            return model(torch.tensor([token_ids])).logits[0].float().log_softmax(dim=-1)
+            return hf_smollm2(torch.tensor([token_ids])).logits[0].float().log_softmax(dim=-1)
 
     return logprobs
 

@@ -1,27 +1,14 @@
 """Model-side fixtures: the transformers reference for SmolLM2, loaded once per session.
 
-The kvpool side is the suite-wide `smollm2` fixture (tests/conftest.py), so each model is loaded
-exactly once however many test modules use it.
+The kvpool side is the suite-wide `smollm2` fixture, and transformers' model `hf_smollm2` is
+suite-wide too (tests/conftest.py: the engine's prompt-logprob tests use it), so each model is
+loaded exactly once however many test modules use it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2():
-    """transformers' own load of the same GGUF file, fp32: the correctness reference."""
-    from transformers import AutoModelForCausalLM
-
-    from kvpool.model import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="session")
