@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import kvpool.engine.sampler as sampler_module
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.logits_constraints import (
     apply_allowed_token_ids,
@@ -59,6 +60,34 @@ def test_top_k_top_p_mask_exactly_the_excluded_tokens():
     top_p = float(probs[1] + probs[2]) - 1e-4  # tokens 1 and 2 cover it; token 0 is not needed
     masked = apply_top_k_top_p(LOGITS.clone(), [row(top_p=top_p)])
     assert torch.isinf(masked[0]).tolist() == [True, False, False, True, True]
+
+
+def reference_top_k_top_p(row_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition, one row, in float64: the best top_k tokens, then the fewest of them,
+    best first, whose renormalised probability reaches top_p."""
+    order = row_logits.double().argsort(descending=True)[: top_k or len(row_logits)]
+    probs = torch.softmax(row_logits.double()[order], dim=-1).tolist()
+    kept, mass = [], 0.0
+    for token_id, prob in zip(order.tolist(), probs, strict=True):
+        if kept and mass >= top_p:
+            break
+        kept.append(token_id)
+        mass += prob
+    result = torch.full_like(row_logits, float("-inf"))
+    result[kept] = row_logits[kept]
+    return result
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat rows need the full sort, peaky don't
+def test_candidate_ranking_masks_exactly_what_a_full_sort_does(monkeypatch, scale):
+    monkeypatch.setattr(sampler_module, "_CANDIDATES", 64)
+    settings = [(0, 0.5), (0, 0.9), (0, 1.0), (10, 1.0), (10, 0.8), (100, 0.95), (0, 0.99)]
+    logits = torch.randn(len(settings), 3000, generator=torch.Generator().manual_seed(7)) * scale
+    rows = [row(top_k=top_k, top_p=top_p) for top_k, top_p in settings]
+    masked = apply_top_k_top_p(logits.clone(), rows)
+    for index, (top_k, top_p) in enumerate(settings):
+        expected = reference_top_k_top_p(logits[index], top_k, top_p)
+        assert torch.equal(masked[index].isinf(), expected.isinf()), (top_k, top_p)
 
 
 def test_min_p_keeps_only_tokens_near_the_top():
