@@ -96,6 +96,21 @@ def fast_model(smollm2: LoadedModel) -> LoadedModel:
     return LoadedModel(config, dummy.model, smollm2.tokenizer, dummy.load_seconds)
 
 
+@pytest.fixture(scope="module")
+def server(smollm2: LoadedModel) -> Iterator[RunningServer]:
+    """A real-SmolLM2 server per module (128 blocks); a module needing other options defines
+    its own `server`."""
+    with serve(smollm2, num_gpu_blocks=128) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def fast_server(fast_model: LoadedModel) -> Iterator[RunningServer]:
+    """A `fast_model` server per module (64 blocks)."""
+    with serve(fast_model, num_gpu_blocks=64) as running:
+        yield running
+
+
 @pytest.fixture
 def make_server(fast_model: LoadedModel) -> Iterator[Callable[..., RunningServer]]:
     """Start servers over the fast model: `make_server(server_config, **engine_options)`;

@@ -4,24 +4,14 @@ logprobs with top alternatives, n, and content given as parts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from kvpool.engine.sampling_params import SamplingParams
-from tests.server.conftest import MODEL, RunningServer, offline_generate, serve
+from tests.server.conftest import MODEL, offline_generate
 
 MESSAGES = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": "Name a primary colour."},
 ]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def server(smollm2) -> Iterator[RunningServer]:
-    with serve(smollm2, num_gpu_blocks=128) as running:
-        yield running
 
 
 def test_greedy_chat_matches_the_offline_engine(server, smollm2) -> None:

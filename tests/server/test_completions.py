@@ -5,21 +5,12 @@ tokens."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-
-import pytest
 
 from kvpool.engine.sampling_params import SamplingParams
-from tests.server.conftest import MODEL, RunningServer, offline_generate, serve
+from tests.server.conftest import MODEL, offline_generate
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def server(smollm2) -> Iterator[RunningServer]:
-    with serve(smollm2, num_gpu_blocks=128) as running:
-        yield running
 
 
 def test_greedy_completion_matches_the_offline_engine(server, smollm2) -> None:

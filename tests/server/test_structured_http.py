@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.server.conftest import MODEL, RunningServer, serve
+from tests.server.conftest import MODEL, RunningServer
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY: dict[str, Any] = {"temperature": 0}
@@ -33,18 +32,6 @@ PERSON_SCHEMA = {
 class CityInfo(BaseModel):
     city: str
     country: str
-
-
-@pytest.fixture(scope="module")
-def server(smollm2) -> Iterator[RunningServer]:
-    with serve(smollm2, num_gpu_blocks=128) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def fast_server(fast_model) -> Iterator[RunningServer]:
-    with serve(fast_model, num_gpu_blocks=64) as running:
-        yield running
 
 
 def test_parse_returns_the_pydantic_object(server) -> None:

@@ -6,7 +6,6 @@ to the non-streamed calls, the 400s, and the `kvpool serve` flags."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from kvpool.server.tools import get_tool_parser
 from kvpool.server.tools.choice import plan_tools
 from kvpool.server.tools.parser import assemble
 from kvpool.server.tools.prompt import conversation, template_takes_tools
-from tests.server.conftest import MODEL, RunningServer, serve
+from tests.server.conftest import MODEL, serve
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -44,18 +43,6 @@ CHAT = "/v1/chat/completions"
 # Forces an auto-mode reply in the Hermes syntax, so the parser runs on real output.
 HERMES_REGEX = (r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": '
                 r'"(Paris|Rome)", "unit": "celsius"\}\}</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def server(smollm2) -> Iterator[RunningServer]:
-    with serve(smollm2, num_gpu_blocks=128) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def fast_server(fast_model) -> Iterator[RunningServer]:
-    with serve(fast_model, num_gpu_blocks=64) as running:
-        yield running
 
 
 # ------------------------------------------------------------------ the parser
