@@ -38,6 +38,7 @@ from kvpool.engine.engine_stats import EngineStats, swap_stats
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.grammar import GrammarCompiler
 from kvpool.engine.kv_manager import KVCacheManager
+from kvpool.engine.kv_snapshot import take_kv_snapshot
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.output_processor import OutputProcessor
 from kvpool.engine.outputs import RequestOutput
@@ -58,6 +59,8 @@ from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.kv_tiers import KVTierStats
+from kvpool.memory.pool_rates import PoolRateWindow
+from kvpool.memory.pool_snapshot import KVSnapshot
 from kvpool.memory.prefix_cache import hash_full_blocks
 from kvpool.model.flops import prefill_flops
 
@@ -96,6 +99,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
+        self.kv_rates = PoolRateWindow()  # the device pool's alloc/free rates, for snapshots
         self.reset_stats()
         self.warmup_seconds = warm_up(self) if config.enable_warmup else 0.0
 
@@ -114,6 +118,7 @@ class LLMEngine:
         self.scheduler.num_recomputed_tokens = 0
         self.scheduler.kv.reset_counters()
         self.kv_memory.reset()
+        self.kv_rates.clear()
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -215,12 +220,15 @@ class LLMEngine:
         """Run one batch; return an output for every request that changed (and whose output
         kind hands one out now)."""
         clock = _PhaseClock(self._phase_seconds)
+        self._set_pool_clocks(time.monotonic())
         self.resize_kv_pool()
         batch = self.scheduler.schedule()
         clock.lap("schedule")
         sampled = self._execute_and_sample(batch, clock)
         changed = self.scheduler.update(batch, sampled)
         self.kv_tiers.after_step()  # what this step published, written through to disk
+        pool = self.kv_memory.pool
+        self.kv_rates.sample(pool.now, *pool.allocation_counters())
         clock.lap("sample")
         outputs = self._make_outputs(changed)
         clock.lap("output")
@@ -279,6 +287,12 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------ KV pool
+    def _set_pool_clocks(self, now: float) -> None:
+        """The pools stamp blocks with this time as they change hands (their last-use age)."""
+        self.kv_memory.pool.now = now
+        if self.kv_tiers.host is not None:
+            self.kv_tiers.host.pool.now = now
+
     def resize_kv_pool(self) -> None:
         """Let KV memory grow or give memory back now. `step()` does this first; an idle
         server loop may call it between steps so that idle memory is still given back."""
@@ -310,6 +324,12 @@ class LLMEngine:
             decode_only_model_seconds=self._decode_only_model_seconds,
             **swap_stats(self.scheduler.kv.counters, self.kv_memory.layout.bytes_per_block),
         )
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block, every block table and the derived figures, as of now (between steps:
+        the async engine takes it on its own thread); `kvpool.engine.kv_snapshot`."""
+        self._set_pool_clocks(time.monotonic())
+        return take_kv_snapshot(self)
 
     def kv_tier_stats(self) -> KVTierStats:
         """The host and disk tiers: their blocks, spills, reloads and swaps."""

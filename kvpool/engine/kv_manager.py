@@ -237,6 +237,10 @@ class KVCacheManager:
     def is_swapped(self, seq: Sequence) -> bool:
         return seq.seq_id in self._swapped
 
+    def swapped_host_blocks(self, seq: Sequence) -> list[int]:
+        """The host blocks a swapped-out sequence owns (empty for any other)."""
+        return self._swapped.get(seq.seq_id, [])
+
     @property
     def num_swapped_host_blocks(self) -> int:
         return sum(len(host_ids) for host_ids in self._swapped.values())

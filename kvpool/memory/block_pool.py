@@ -38,8 +38,9 @@ relocations are not reported: they move KV at once, outside a step.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
@@ -48,7 +49,7 @@ from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache, 
 from kvpool.memory.tier_hooks import NO_TIER_HOOKS, TierHooks
 
 NULL_BLOCK_ID = 0
-
+RECENT_EVICTIONS = 4096  # evicted hashes the pool remembers, to tell "evicted" from "never seen"
 
 
 
@@ -107,6 +108,12 @@ class BlockPool:
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
         self._num_filled_slots_in_use = 0
         self.tier_hooks: TierHooks = NO_TIER_HOOKS
+        # The pool's clock (the engine sets it to time.monotonic() before each step) and the
+        # clock reading when each block last changed hands: allocated, revived or released.
+        self.now = 0.0
+        self._last_use = [math.nan] * capacity_blocks  # NaN: not used since the pool began
+        self.recent_evictions: deque[BlockHash] = deque(maxlen=RECENT_EVICTIONS)
+        self.on_evict: Callable[[int], None] | None = None  # told of each eviction (a recorder)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -176,6 +183,7 @@ class BlockPool:
         if num_blocks == 1 and self._fresh_free_ids:  # the decode hot path
             block_id = self._fresh_free_ids.pop()
             self._ref_counts[block_id] = 1
+            self._last_use[block_id] = self.now
             self._num_allocations += 1
             return [block_id]
         if num_blocks < 0:
@@ -193,10 +201,15 @@ class BlockPool:
             block_id, _ = self._evictable_ids.popitem(last=False)
             entry = self.prefix_cache.remove(block_id)
             self._num_evictions += 1
+            if entry is not None:
+                self.recent_evictions.append(entry.block_hash)
+            if self.on_evict is not None:
+                self.on_evict(block_id)
             if report_eviction and entry is not None:
                 self.tier_hooks.evicted(block_id, entry)
         self._ref_counts[block_id] = 1
         self._num_filled_slots[block_id] = 0
+        self._last_use[block_id] = self.now
         return block_id
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -233,6 +246,7 @@ class BlockPool:
             self._release(block_id)
 
     def _release(self, block_id: int) -> None:
+        self._last_use[block_id] = self.now
         self._num_filled_slots_in_use -= self._num_filled_slots[block_id]
         self._num_frees += 1
         if block_id in self.prefix_cache.hashed_block_ids:
@@ -252,6 +266,7 @@ class BlockPool:
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:  # a cached block leaves the pool again
                 del self._evictable_ids[block_id]
+                self._last_use[block_id] = self.now
                 self._num_filled_slots_in_use += self._num_filled_slots[block_id]
                 self._num_allocations += 1
             self._ref_counts[block_id] += 1
@@ -273,6 +288,8 @@ class BlockPool:
             self._num_filled_slots[block_id] = 0
         self._evictable_ids.clear()
         self._fresh_free_ids = self.online_block_ids()[::-1]
+        self._last_use = [math.nan] * self.capacity_blocks
+        self.recent_evictions.clear()
         self.reset_counters()
 
     # ----------------------------------------------------------- prefix cache
@@ -328,6 +345,10 @@ class BlockPool:
         return True
 
     # -------------------------------------------------------------- reporting
+    def allocation_counters(self) -> tuple[int, int]:
+        """(blocks allocated, blocks freed) since the last counter reset."""
+        return self._num_allocations, self._num_frees
+
     def stats(self) -> BlockPoolStats:
         num_used = self.num_used_blocks
         return BlockPoolStats(
