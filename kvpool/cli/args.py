@@ -134,6 +134,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         metavar="JSON",
         help='merged over those defaults, e.g. \'{"temperature": 0.5}\'',
     )
+    group.add_argument(
+        "--kv-trace",
+        default=None,
+        metavar="FILE",
+        help="write every KV block allocation, free, hit, eviction, preemption and resize to "
+        "FILE, one JSON line each (kvpool.engine.kv_trace)",
+    )
     _add_kv_pool_args(parser)
     _add_kv_tier_args(parser)
     _add_vllm_compat_args(parser)

@@ -1,12 +1,13 @@
 """`kvpool bench blocks | throughput | multi-turn | serve | precision | kv-capacity |
-kv-granularity | structured`: the benchmark commands' flags.
+kv-granularity | structured | kv-trace | snapshot`: the benchmark commands' flags.
 
 This module owns only the parsers. Each benchmark's logic lives in its own module,
 `kvpool.bench.blocks`, `kvpool.bench.throughput`, `kvpool.bench.multi_turn`,
 `kvpool.bench.serve`, `kvpool.bench.precision`, `kvpool.bench.kv_capacity`,
-`kvpool.bench.kv_granularity` and `kvpool.bench.structured`, whose `run(args, ...)` prints a
-table, or one JSON object with `--json`. Those modules are imported when a benchmark runs,
-never when the parser is built.
+`kvpool.bench.kv_granularity`, `kvpool.bench.structured`, `kvpool.bench.kv_trace` and
+`kvpool.bench.snapshot`, whose
+`run(args, ...)` prints a table, or one JSON object with `--json`. Those modules are imported
+when a benchmark runs, never when the parser is built.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for register_bench in (
         _register_blocks, _register_throughput, _register_multi_turn, _register_serve,
         _register_precision, _register_kv_capacity, _register_kv_granularity,
-        _register_structured,
+        _register_structured, _register_kv_trace, _register_snapshot,
     ):
         register_bench(bench_subparsers)
 
@@ -209,6 +210,26 @@ def _register_structured(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_structured)
 
 
+def _register_kv_trace(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "kv-trace", help="output tokens/s of one greedy batch with and without --kv-trace "
+        "(what recording the KV allocation trace costs)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="the batch (default 64)")
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="random prompt tokens per request (default 128)")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="tokens every request generates (default 128)")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of one run per mode, alternating order (default 3)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the batch once, untimed, first (default on)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(parser)  # --kv-trace FILE: where the traced runs write (default: a temp)
+    parser.set_defaults(func=run_kv_trace)
+
+
 def _add_length_args(
     parser: argparse.ArgumentParser, input_len: tuple[int, int], output_len: tuple[int, int]
 ) -> None:
@@ -268,3 +289,28 @@ def run_structured(args: argparse.Namespace) -> int:
     from kvpool.bench import structured
 
     return structured.run(args, engine_config_from_args(args))
+
+
+def _register_snapshot(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "snapshot", help="how long LLMEngine.kv_snapshot() and its JSON take on a large, busy "
+        "pool (tiny random model)")
+    parser.add_argument("--num-blocks", type=int, default=100_000,
+                        help="blocks in the pool (default 100,000)")
+    parser.add_argument("--fill", type=float, default=0.6,
+                        help="fraction of the pool running requests hold (default 0.6)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls (default 7)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run_snapshot)
+
+
+def run_snapshot(args: argparse.Namespace) -> int:
+    from kvpool.bench import snapshot
+
+    return snapshot.run(args)
+
+
+def run_kv_trace(args: argparse.Namespace) -> int:
+    from kvpool.bench import kv_trace
+
+    return kv_trace.run(args, engine_config_from_args(args))

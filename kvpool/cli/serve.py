@@ -10,6 +10,8 @@ thread is joined and the process exits 0. A second Ctrl-C forces an immediate ex
 Keys: `--api-key` may repeat (every key names tenant "default"); without it, the
 `KVPOOL_API_KEY` environment variable, else `VLLM_API_KEY` (as vLLM reads it), gives one.
 `--metrics-api-key` is accepted on /metrics only; `--allow-unauthenticated-metrics` opens it.
+`--admin-api-key` (may repeat) opens every path, generation included (as tenant "admin"), and
+/metrics, and sees every tenant's requests in /v1/kv/snapshot and the /dashboard page.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a key accepted on /metrics only (for Prometheus), besides the tenants' keys",
     )
     group.add_argument(
+        "--admin-api-key", action="append", default=None,
+        help="an operator's key (tenant 'admin'): accepted on every path and /metrics, and "
+             "sees every tenant's requests in the KV snapshot and dashboard; may repeat",
+    )
+    group.add_argument(
         "--allow-unauthenticated-metrics", action="store_true",
         help="serve /metrics without a key even when the other routes need one",
     )
@@ -92,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from kvpool.server.auth import METRICS_TENANT, ApiKeyTable
+    from kvpool.server.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
     from kvpool.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -102,6 +109,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_api_keys=ApiKeyTable.from_keys(
             [(METRICS_TENANT, args.metrics_api_key)] if args.metrics_api_key is not None else []
         ),
+        admin_api_keys=ApiKeyTable.from_keys(
+            [(ADMIN_TENANT, key) for key in args.admin_api_key or ()]),
         allow_unauthenticated_metrics=args.allow_unauthenticated_metrics,
         max_concurrent_requests=args.max_concurrent_requests or None,
         max_queued_sequences=args.max_queued_sequences or None,

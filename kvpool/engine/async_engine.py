@@ -2,6 +2,7 @@
 
     event loop(s)                          engine thread (the only one touching LLMEngine)
     add_request / abort  ── commands ──▶   drain commands → step() → route outputs
+    call_on_engine(fn)   ── commands ──▶   fn(engine) between steps; its result comes back
     RequestStream        ◀── outputs ───   loop.call_soon_threadsafe(queue.put_nowait, …)
 
 The engine thread steps while any request is unfinished and sleeps on an Event when idle (no
@@ -27,7 +28,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
 from kvpool.engine.grammar import GrammarCompiler
@@ -36,8 +37,10 @@ from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.kv_tiers import KVTierStats
+from kvpool.memory.pool_snapshot import KVSnapshot
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
@@ -141,6 +144,7 @@ class AsyncLLMEngine:
         self._is_accepting = True
         self._accept_lock = threading.Lock()
         self._is_stopping = False
+        self._is_closed = False  # the thread's last drain is done: no command runs any more
         self._num_failed_steps = 0
         self.unhealthy_reason: str | None = None
         self._snapshot = self._take_snapshot()
@@ -203,6 +207,34 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def call_on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (so it sees a consistent
+        engine and no step runs meanwhile), its result or exception returned here. Keep `fn`
+        short: every request waits while it runs. EngineClosedError once the thread is gone."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            if self._is_closed:
+                _resolve(loop, done, EngineClosedError("the engine has shut down"))
+                return
+            try:
+                result = fn(self.engine)
+            except Exception as error:  # the caller's failure, not the engine's
+                _resolve(loop, done, error)
+                return
+            _resolve(loop, done, None, result)
+
+        with self._accept_lock:  # the engine thread's last drain cannot miss this command
+            if self._is_closed or not self._thread.is_alive():
+                raise EngineClosedError("the engine has shut down")
+            self._submit(command)
+        return await done
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """`LLMEngine.kv_snapshot()`, taken on the engine thread between steps."""
+        return await self.call_on_engine(LLMEngine.kv_snapshot)
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks return to the pool at the engine
         thread's next iteration (at most one step away)."""
@@ -247,7 +279,8 @@ class AsyncLLMEngine:
             self._fail_all(EngineClosedError("the engine has shut down"))
             with self._accept_lock:
                 self._is_accepting = False
-                self._drain_commands()  # adds that raced the shutdown get their answer
+                self._is_closed = True
+                self._drain_commands()  # adds and calls that raced the shutdown get their answer
             self.engine.close()  # the KV tiers finish their copies and disk writes
             self._snapshot = self._take_snapshot()
 
@@ -277,11 +310,11 @@ class AsyncLLMEngine:
                 raise EngineClosedError("the engine is shutting down and takes no new requests")
             self.engine.add_request(prompt, params, stream.request_id, priority, cache_salt)
         except Exception as error:  # ValueError for bad input, delivered to the caller
-            _resolve(stream, added, error)
+            _resolve(stream.loop, added, error)
             return
         self._streams[stream.request_id] = stream
         self._no_requests.clear()
-        _resolve(stream, added, None)
+        _resolve(stream.loop, added, None)
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort_request(request_id)
@@ -354,17 +387,20 @@ class AsyncLLMEngine:
 
 
 def _resolve(
-    stream: RequestStream, future: asyncio.Future[None], error: BaseException | None
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    error: BaseException | None,
+    result: Any = None,
 ) -> None:
-    """Settle an add's future on its own loop (from the engine thread)."""
+    """Settle a caller's future on its own loop (from the engine thread)."""
 
     def settle() -> None:
-        if future.done():  # the caller was cancelled and has already queued an abort
+        if future.done():  # the caller was cancelled (an add has already queued an abort)
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 
-    with contextlib.suppress(RuntimeError):
-        stream.loop.call_soon_threadsafe(settle)
+    with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+        loop.call_soon_threadsafe(settle)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
@@ -50,6 +51,9 @@ class EngineConfig:
     file; `override_generation_config` (HF names, e.g. {"temperature": 0.5}) is merged over
     them (`kvpool.engine.generation_config`). vLLM arguments with no counterpart here are
     sorted out before this config is built (`kvpool.engine.vllm_compat`).
+
+    `kv_trace` names a file the engine writes its KV allocation events to, one JSON line each
+    (`kvpool.engine.kv_trace`); its directory must exist. None: nothing is recorded.
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct; a path or a Hub id
@@ -80,6 +84,7 @@ class EngineConfig:
     kv_disk_cache_size: int = DEFAULT_KV_DISK_CACHE_SIZE  # bytes the disk tier may hold
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     override_generation_config: dict[str, Any] | None = None  # merged over those defaults
+    kv_trace: str | None = None  # file of KV allocation events (--kv-trace); None: none
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
@@ -109,6 +114,7 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         self._check_kv_pool()
         self._check_kv_tiers()
+        self._check_kv_trace()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -152,6 +158,16 @@ class EngineConfig:
             raise ValueError("kv_disk_cache must name a directory (or be None)")
         if self.kv_disk_cache is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_cache keeps prefix blocks: it needs enable_prefix_caching")
+
+    def _check_kv_trace(self) -> None:
+        if self.kv_trace is None:
+            return
+        path = Path(self.kv_trace)
+        if not str(self.kv_trace).strip() or path.is_dir():
+            raise ValueError(f"kv_trace (--kv-trace) must name a file, got {self.kv_trace!r}")
+        if not path.parent.is_dir():
+            raise ValueError(f"kv_trace (--kv-trace): the directory of {self.kv_trace!r} "
+                             f"does not exist ({str(path.parent)!r})")
 
     def batched_tokens_limit(self, max_model_len: int) -> int:
         """Tokens per step: a chunk size with chunked prefill, else room for a whole prompt."""

@@ -38,6 +38,7 @@ from kvpool.engine.engine_stats import EngineStats, swap_stats
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.grammar import GrammarCompiler
 from kvpool.engine.kv_manager import KVCacheManager
+from kvpool.engine.kv_recorder import KVRecorder
 from kvpool.engine.kv_snapshot import take_kv_snapshot
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.output_processor import OutputProcessor
@@ -49,6 +50,7 @@ from kvpool.engine.request_state import (
     grammar_matchers,
     sequence_generators,
 )
+from kvpool.engine.request_validation import validate_request
 from kvpool.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -100,8 +102,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self.kv_rates = PoolRateWindow()  # the device pool's alloc/free rates, for snapshots
+        self.kv_recorder: KVRecorder | None = None  # --kv-trace: after the warm-up, not in it
         self.reset_stats()
         self.warmup_seconds = warm_up(self) if config.enable_warmup else 0.0
+        if config.kv_trace is not None:
+            self.kv_recorder = KVRecorder.start(config.kv_trace, self.kv_memory, kv_manager)
+            weakref.finalize(self, self.kv_recorder.close)
 
     def reset_stats(self) -> None:
         """Zero every counter and return KV memory to its start-up state; only while no
@@ -138,15 +144,17 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt_text, token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
-        self._validate(request_id, token_ids, params)
+        validate_request(self, request_id, token_ids, params)
         salt = cache_salt_key(cache_salt)
         request = Request(request_id, prompt_text, token_ids, params, time.monotonic(), salt,
                           sequence_generators(params.seed, params.n, self.device), priority,
                           cache_salt, grammar_matchers(params, self.grammar_compiler),
                           bad_words_token_ids(params.bad_words, self.tokenizer,
                                               self.model_config.vocab_size))
-        block_size = self.kv_memory.layout.block_size
-        self.scheduler.add_request(request, hash_full_blocks(token_ids, block_size, salt))
+        block_hashes = hash_full_blocks(token_ids, self.kv_memory.layout.block_size, salt)
+        if self.kv_recorder is not None:
+            self.kv_recorder.arrive(request_id, len(token_ids), params.n, block_hashes)
+        self.scheduler.add_request(request, block_hashes)
         self.requests[request_id] = request
         self._num_prompt_tokens += len(token_ids)
         return request
@@ -163,40 +171,6 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
-    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise InvalidRequestError("the request id is already in use", "request_id")
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab_size = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                f"{self.max_model_len} (room is needed for at least one output token)", "prompt")
-        if not self.kv_memory.can_ever_fit(len(token_ids) + 1):
-            capacity = self.kv_memory.max_num_blocks * self.kv_memory.layout.block_size
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens, but the whole KV pool holds only "
-                f"{capacity} tokens: it could never run", "prompt")
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise InvalidRequestError(f"logprobs exceeds the vocabulary ({vocab_size})",
-                                      "logprobs")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
-            raise InvalidRequestError(f"prompt_logprobs exceeds the vocabulary ({vocab_size})",
-                                      "prompt_logprobs")
-        for param, what, ids in (
-            ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
-            ("logit_bias", "logit_bias keys", params.logit_bias or ()),
-            ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or ()),
-        ):
-            if any(token_id >= vocab_size for token_id in ids):
-                raise InvalidRequestError(f"{what} must be in [0, {vocab_size})", param)
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n exceeds max_num_seqs ({self.config.max_num_seqs})", "n")
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now, wherever it is; its blocks return to the pool at once. Returns
         its final output (finish reason "abort"), or None for an unknown id."""
@@ -206,6 +180,8 @@ class LLMEngine:
         for seq in request.sequences:
             self.scheduler.finish(seq, FinishReason.ABORT)
         request.finish_time = time.monotonic()
+        if self.kv_recorder is not None:
+            self.kv_recorder.finish(request, str(FinishReason.ABORT))
         return self.outputs.make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -220,6 +196,8 @@ class LLMEngine:
         """Run one batch; return an output for every request that changed (and whose output
         kind hands one out now)."""
         clock = _PhaseClock(self._phase_seconds)
+        if self.kv_recorder is not None:
+            self.kv_recorder.step = self._num_steps
         self._set_pool_clocks(time.monotonic())
         self.resize_kv_pool()
         batch = self.scheduler.schedule()
@@ -231,6 +209,8 @@ class LLMEngine:
         self.kv_rates.sample(pool.now, *pool.allocation_counters())
         clock.lap("sample")
         outputs = self._make_outputs(changed)
+        if self.kv_recorder is not None:
+            self.kv_recorder.end_step(pool, self._num_steps)
         clock.lap("output")
         return outputs
 
@@ -281,6 +261,8 @@ class LLMEngine:
             if request.is_finished:
                 request.finish_time = now
                 self.requests.pop(request.request_id, None)
+                if self.kv_recorder is not None:
+                    self.kv_recorder.finish(request)
             output = self.outputs.make_output(request)
             if output is not None:
                 outputs.append(output)
@@ -337,8 +319,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish the KV tiers' copies and the disk tier's writes (idempotent; also run when
-        the engine is garbage-collected and at exit)."""
+        the engine is garbage-collected and at exit); write out the KV trace, and stop it."""
         self._close_tiers()
+        if self.kv_recorder is not None:
+            self.kv_recorder.close()
+            self.kv_recorder = None
 
     def check_invariants(self) -> None:
         """Assert the scheduler's and KV memory's invariants (O(everything); for tests)."""

@@ -24,12 +24,17 @@ Before it reports that blocks do not fit, the manager asks KV memory to grow
 (`KVMemory.grow_until_allocatable`): an elastic pool takes memory under pressure instead of
 preempting a sequence or refusing admission. A static pool never grows, so this costs it
 nothing. Growing only adds blocks; nothing already placed moves.
+
+With `--kv-trace`, `recorder` (`kvpool.engine.kv_recorder`) hears of every reference a
+sequence's table takes or drops: hits, new blocks, copies-on-write, forks, frees, preemptions
+and swap-ins. Without it (None) each of those calls pays one attribute test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
 from kvpool.engine.prompt_logprobs import pending_positions
@@ -39,6 +44,9 @@ from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.kv_tiers import TierMatch
 from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
+
+if TYPE_CHECKING:
+    from kvpool.engine.kv_recorder import KVRecorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +87,7 @@ class KVCacheManager:
                                                  lambda num_tokens: 0.0)
         self.counters = SwapCounters()
         self._swapped: dict[int, list[int]] = {}  # seq_id -> the host blocks it owns
+        self.recorder: KVRecorder | None = None  # the --kv-trace recorder, when tracing
 
     def new_block_table(self, cache_salt: str | None) -> BlockTable:
         return BlockTable(self.pool, cache_salt)
@@ -142,14 +151,18 @@ class KVCacheManager:
     def admit(self, seq: Sequence, plan: AdmissionPlan) -> list[BlockCopy]:
         """Take the planned cached prefix (copying up what was found below the device), or
         copy the sequence's swapped blocks back; then the slots of the first chunk."""
+        served = None
         if plan.swapped_host_ids is not None:
             self._swap_in(seq, plan)
         else:
-            self._take_cached_prefix(seq, plan)
+            served = self._take_cached_prefix(seq, plan)
+        if self.recorder is not None:
+            self._record_admission(seq, plan, served)
         start = seq.num_computed_tokens
         return self.append_slots(seq, seq.token_ids(start, start + plan.num_new_tokens))
 
-    def _take_cached_prefix(self, seq: Sequence, plan: AdmissionPlan) -> None:
+    def _take_cached_prefix(self, seq: Sequence, plan: AdmissionPlan) -> dict[str, int]:
+        """The planned prefix taken; returns the prompt tokens each tier served."""
         prefix, table = plan.prefix, seq.block_table
         cached_ids = seq.token_ids(0, prefix.num_cached_tokens)
         seq.num_computed_tokens = table.take_prefix(prefix, cached_ids, seq.block_hashes)
@@ -166,6 +179,26 @@ class KVCacheManager:
         if seq.request.num_cached_tokens is None:  # a request's cached tokens count once
             for tier, num_tokens in counts.items():
                 self.counters.cached_tokens_by_tier[tier] += num_tokens
+        return counts
+
+    def _record_admission(self, seq: Sequence, plan: AdmissionPlan,
+                          served: dict[str, int] | None) -> None:
+        """The admission's events before its first chunk's slots: a hit for the blocks
+        retaken from the device's prefix cache, then the blocks newly taken, as copies from
+        the tiers below (alloc) or of its own swapped-out blocks (swap_in; `served` None)."""
+        recorder, block_ids = self.recorder, seq.block_table.block_ids
+        num_reused = len(plan.prefix.block_ids)
+        if served is None:
+            if num_reused:
+                recorder.hit(seq, block_ids[:num_reused], plan.prefix.num_cached_tokens, None)
+            recorder.swap_in(seq, block_ids[num_reused:])
+            return
+        if plan.num_cached_tokens:
+            below = {tier: served.get(tier, 0) for tier in ("host", "disk")}
+            recorder.hit(seq, block_ids[:num_reused], plan.num_cached_tokens,
+                         below if any(below.values()) else None)
+        if len(block_ids) > num_reused:
+            recorder.alloc(seq, block_ids[num_reused:])
 
     def _swap_in(self, seq: Sequence, plan: AdmissionPlan) -> None:
         """The device-cached leading blocks retaken, new device blocks for the rest with the
@@ -185,6 +218,19 @@ class KVCacheManager:
     def append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
         """Slots for `new_token_ids`, the sequence's next uncomputed tokens, growing KV memory
         if it must; OutOfBlocksError (it cannot grow enough) changes nothing."""
+        recorder = self.recorder
+        if recorder is None:
+            return self._append_slots(seq, new_token_ids)
+        num_blocks = seq.block_table.num_blocks
+        copies = self._append_slots(seq, new_token_ids)
+        for copy in copies:
+            recorder.cow(seq, copy)
+        block_ids = seq.block_table.block_ids
+        if len(block_ids) > num_blocks:  # a copy-on-write replaces the last block in place
+            recorder.alloc(seq, block_ids[num_blocks:])
+        return copies
+
+    def _append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
         try:  # the common case first: no extra work on the decode path
             return seq.block_table.append_tokens(new_token_ids, computed=False)
         except OutOfBlocksError:
@@ -208,7 +254,12 @@ class KVCacheManager:
             hashes.extend(hash_full_blocks(unhashed, size, seq.request.salt, parent))
 
     def fork(self, seq: Sequence) -> BlockTable:
-        return seq.block_table.fork()
+        """A table sharing all of `seq`'s blocks, for the request's next sequence (the
+        scheduler gives it index `len(request.sequences)`: the recorder names it so)."""
+        child = seq.block_table.fork()
+        if self.recorder is not None:
+            self.recorder.fork(seq, len(seq.request.sequences), child.block_ids)
+        return child
 
     def preempt(self, seq: Sequence) -> str:
         """Take a running sequence's KV off the device; returns what became of it, "swap"
@@ -219,9 +270,11 @@ class KVCacheManager:
         if self.tiers.has_host and seq.num_computed_tokens:
             kind = self.policy.choose(table.num_blocks, seq.num_computed_tokens)
         host_ids = self.tiers.swap_out(table.block_ids) if kind == SWAP else None
+        if self.recorder is not None:
+            self.recorder.preempt(seq, RECOMPUTE if host_ids is None else SWAP, table.block_ids)
         if host_ids is None:
             self.counters.num_recompute_preemptions += 1
-            self.drop(seq)
+            self._drop(seq)
             return RECOMPUTE
         self._swapped[seq.seq_id] = host_ids
         self.counters.num_swap_preemptions += 1
@@ -231,6 +284,10 @@ class KVCacheManager:
 
     def drop(self, seq: Sequence) -> None:
         """Drop the sequence's KV on the device (its computed tokens are computed again)."""
+        self._record_free(seq)
+        self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
         seq.block_table.free()
         seq.num_computed_tokens = 0
 
@@ -249,7 +306,12 @@ class KVCacheManager:
         host_ids = self._swapped.pop(seq.seq_id, None)
         if host_ids is not None:
             self.tiers.free_swapped(host_ids)
+        self._record_free(seq)
         seq.block_table.free()
+
+    def _record_free(self, seq: Sequence) -> None:
+        if self.recorder is not None and seq.block_table.block_ids:
+            self.recorder.free(seq, seq.block_table.block_ids)
 
     def reset_counters(self) -> None:
         self.counters = SwapCounters()

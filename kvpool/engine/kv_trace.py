@@ -24,16 +24,25 @@ counting from 0 after the warm-up), "t" seconds since the header's time. The oth
              below served some
     alloc    r, q, b blocks newly taken by the sequence's table
     free     r, q, b blocks its table gave back (reference drops; shared blocks stay in use)
-    evict    b cached blocks the device evicted to make room (their prefixes are lost here)
+    evict    b cached blocks the device evicted to make room, or an elastic shrink dropped
+             (their prefixes are lost here)
     fork     r, q the new completion, "from" the completion it shares its blocks with, b blocks
     cow      r, q, "src" shared block, "dst" its private copy
     preempt  r, q, "m" "recompute" or "swap", b blocks it held
-    swap_in  r, q, b device blocks its host copies went back to
+    swap_in  r, q, b new device blocks its host copies went back to (its leading blocks
+             still cached on the device come back as a hit)
     spill    b device blocks copied to the host tier as they were evicted
     grow     "n" online device blocks after, "d" blocks added
-    shrink   "n" online device blocks after, "d" blocks removed
+    shrink   "n" online device blocks after, "d" blocks removed, and "m": [[old, new], ...]
+             when used blocks were relocated (their references move from old to new)
     finish   r, "o" output tokens (the longest completion), "why" finish reason
     step     after each step: "u" used, "c" cached, "f" free, "o" online device blocks
+
+Replaying references: hit, alloc, fork, swap_in and a cow's "dst" take one per block; free,
+preempt and a cow's "src" drop one; a shrink's "m" moves them. The blocks with references
+after a "step" event are exactly its "u"; after the last request finishes, none are left.
+Events between steps (arrivals, aborts) carry the number of the step about to run; a
+`reset_stats` of a traced engine starts the step numbers from 0 again.
 
 Readers skip kinds they do not know, so later versions may add kinds without a version bump.
 """

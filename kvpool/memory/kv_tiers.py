@@ -79,6 +79,7 @@ class KVTiers:
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
                                      host.pool.free if host else _nothing_to_release)
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
+        self.on_spill: Callable[[int], None] | None = None  # told of each spill (a recorder)
         if host is not None or disk is not None:
             device_pool.tier_hooks = self
         if host is not None and disk is not None:
@@ -117,6 +118,8 @@ class KVTiers:
         host.pool.publish(host_id, entry.block_hash, entry.token_ids)
         self.transfers.device_to_host([block_id], [host_id], hold=True)
         self._num_spilled += 1
+        if self.on_spill is not None:
+            self.on_spill(block_id)
 
     # ---------------------------------------------------------------- reload
     def find_below(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],

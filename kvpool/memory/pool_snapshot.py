@@ -33,7 +33,8 @@ of consecutive ids with equal (state, ref_count, filled slots, holders), not one
     POOL = {"block_size": 16, "num_blocks": online, "capacity_blocks": ids (null included),
             "bytes_per_block": 36864, "kv_cache_dtype": "bfloat16",
             "runs": [[first_id, count, state, ref_count, num_filled_slots, [holder, ...]], ...],
-            "hashes": [[block_id, "1a2b3c4d"], ...],   every hashed block, ascending id
+            "hashes": [[first_id, "1a2b3c4d5e6f7a8b"], ...],   runs of consecutive hashed ids:
+                                                       their short hashes, concatenated
             "ages": [[first_id, count, age_s], ...],   seconds since the block last changed
                                                        hands (allocated, revived, released);
                                                        null: not used since start-up
@@ -50,9 +51,11 @@ lists it; the runs cover every id exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from kvpool.memory.block_pool import BlockPoolStats
 
@@ -107,7 +110,7 @@ class PoolView:
     bytes_per_block: int
     kv_cache_dtype: str
     runs: tuple[BlockRun, ...]
-    hashes: dict[int, str]  # block id -> short hash, every hashed block
+    hashes: Mapping[int, str]  # block id -> short hash, every hashed block
     ages: tuple[tuple[int, int, float | None], ...]  # (first_id, count, age_s), online ids
     lru: tuple[int, ...]  # cached ids, next evicted first
 
@@ -134,7 +137,7 @@ class PoolView:
             "kv_cache_dtype": self.kv_cache_dtype,
             "runs": [[r.first_id, r.count, r.state, r.ref_count, r.num_filled_slots,
                       list(r.holders)] for r in self.runs],
-            "hashes": [[block_id, label] for block_id, label in sorted(self.hashes.items())],
+            "hashes": _hash_runs(self.hashes),
             "ages": [list(age_run) for age_run in self.ages],
             "lru": list(self.lru),
         }
@@ -147,7 +150,7 @@ class PoolView:
             bytes_per_block=int(doc["bytes_per_block"]), kv_cache_dtype=str(doc["kv_cache_dtype"]),
             runs=tuple(BlockRun(int(f), int(c), str(s), int(r), int(n), tuple(map(int, h)))
                        for f, c, s, r, n, h in doc["runs"]),
-            hashes={int(block_id): str(label) for block_id, label in doc["hashes"]},
+            hashes=_expand_hash_runs(doc["hashes"]),
             ages=tuple((int(f), int(c), None if a is None else float(a))
                        for f, c, a in doc["ages"]),
             lru=tuple(int(block_id) for block_id in doc["lru"]),
@@ -280,6 +283,63 @@ def _restrict_pool(view: PoolView, new_index: dict[int, int]) -> PoolView:
     for block_id in hidden:
         hashes.pop(block_id, None)
     return replace(view, runs=tuple(runs), hashes=hashes)
+
+
+class ShortHashes(Mapping[int, str]):
+    """Block id -> short hash, stored as sorted ids and one string of their labels: what a
+    pool view holds, without a Python string per block until one is asked for."""
+
+    def __init__(self, block_ids: np.ndarray, labels: str) -> None:
+        self.block_ids = block_ids  # ascending
+        self.labels = labels  # 2 * SHORT_HASH_BYTES hex digits per id, in that order
+
+    def __getitem__(self, block_id: int) -> str:
+        index = int(np.searchsorted(self.block_ids, block_id))
+        if index == len(self.block_ids) or self.block_ids[index] != block_id:
+            raise KeyError(block_id)
+        width = 2 * SHORT_HASH_BYTES
+        return self.labels[index * width : (index + 1) * width]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.block_ids.tolist())
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def runs(self) -> list[list[Any]]:
+        """The JSON form: [[first_id, labels], ...] over runs of consecutive ids."""
+        ids, width = self.block_ids, 2 * SHORT_HASH_BYTES
+        if not len(ids):
+            return []
+        starts = np.flatnonzero(np.diff(ids, prepend=-2) != 1).tolist()
+        ends = [*starts[1:], len(ids)]
+        return [[int(ids[start]), self.labels[start * width : end * width]]
+                for start, end in zip(starts, ends, strict=True)]
+
+
+def _hash_runs(hashes: Mapping[int, str]) -> list[list[Any]]:
+    """[[first_id, labels], ...]: consecutive hashed ids share one entry (one string, not an
+    object per block: a pool of cached prefixes has tens of thousands of them)."""
+    if isinstance(hashes, ShortHashes):
+        return hashes.runs()
+    runs: list[list[Any]] = []
+    previous = -2
+    for block_id in sorted(hashes):
+        if block_id == previous + 1:
+            runs[-1][1].append(hashes[block_id])
+        else:
+            runs.append([block_id, [hashes[block_id]]])
+        previous = block_id
+    return [[first_id, "".join(labels)] for first_id, labels in runs]
+
+
+def _expand_hash_runs(runs: list[list[Any]]) -> dict[int, str]:
+    width = 2 * SHORT_HASH_BYTES
+    hashes: dict[int, str] = {}
+    for first_id, labels in runs:
+        for offset in range(0, len(labels), width):
+            hashes[int(first_id) + offset // width] = str(labels[offset : offset + width])
+    return hashes
 
 
 def id_runs(block_ids: tuple[int, ...] | list[int]) -> list[list[int]]:

@@ -2,8 +2,9 @@
 
 Request path: AuthMiddleware (401 before any work) → BodyLimitMiddleware (413) → FastAPI
 (validation errors become OpenAI-shaped 400s) → routes (generation: routes.py; models,
-tokenize, version, ping: utility_routes.py). On shutdown (the lifespan's end) the
-engine is given what is left of the grace period, then stopped.
+tokenize, version, ping: utility_routes.py; KV snapshot, prefix explanation and the dashboard:
+kv_routes.py). On shutdown (the lifespan's end) the engine is given what is left of the grace
+period, then stopped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.server.config import ServerConfig
 from kvpool.server.errors import install_error_handlers
 from kvpool.server.generation import ServerState
+from kvpool.server.kv_routes import router as kv_router
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.middleware import AccessPolicy, AuthMiddleware, BodyLimitMiddleware
 from kvpool.server.routes import router
@@ -52,10 +54,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(utility_router)
+    app.include_router(kv_router)
     # Added last = runs first: authentication before the body is even read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     policy = AccessPolicy(config.api_keys, config.metrics_api_keys,
-                          config.allow_unauthenticated_metrics)
+                          config.allow_unauthenticated_metrics, config.admin_api_keys)
     app.add_middleware(AuthMiddleware, policy=policy)
     _drop_422_from_openapi(app)
     return app

@@ -3,7 +3,9 @@
 Keys come from `--api-key` (tenant "default"; the flag may repeat, and without it the
 `KVPOOL_API_KEY` or `VLLM_API_KEY` environment variable gives one) and `--api-key-file`, one
 `tenant:key` per line (blank lines and `#` comments skipped). `--metrics-api-key` is a key of
-its own tenant, "metrics", that the middleware accepts on /metrics only. Only SHA-256 digests
+its own tenant, "metrics", that the middleware accepts on /metrics only. `--admin-api-key` is a
+key of tenant "admin" (a name no other key may take), accepted on every path a tenant key is and
+on /metrics; an admin sees every tenant's requests in KV snapshots. Only SHA-256 digests
 of the keys are kept, and a presented key is compared with every digest using
 `hmac.compare_digest`, without stopping at a match, so the time taken says nothing about which
 key (or how much of one) matched.
@@ -11,7 +13,8 @@ key (or how much of one) matched.
 Isolation: the salt the engine folds into every block hash is derived here, on the server, from
 the authenticated tenant; a client's `cache_salt` can only be appended to it (narrowing the
 sharing to requests that give the same salt), never replace it. Tenant names cannot contain NUL,
-so `tenant + NUL + client_salt` is unambiguous: no tenant/salt pair collides with another.
+so `tenant + NUL + client_salt` is unambiguous: no tenant/salt pair collides with another, and
+`tenant_of_salt` reads the tenant back (for the KV snapshot's per-tenant view).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from kvpool.engine.errors import InvalidRequestError
 
 DEFAULT_TENANT = "default"
 METRICS_TENANT = "metrics"  # the tenant of --metrics-api-key (accepted on /metrics only)
+ADMIN_TENANT = "admin"  # the tenant of --admin-api-key (every path; sees every tenant)
+_SALT_SEPARATOR = "\x00"  # between the tenant and the client's salt; never in a tenant name
 MAX_CLIENT_SALT_CHARS = 256
 
 
@@ -110,9 +115,17 @@ def derive_cache_salt(tenant: str, client_salt: str | None) -> str:
     except UnicodeEncodeError:
         raise InvalidRequestError(
             "cache_salt must be valid Unicode text (no lone surrogates)", "cache_salt") from None
-    return f"{tenant}\x00{client_salt}"
+    return f"{tenant}{_SALT_SEPARATOR}{client_salt}"
+
+
+def tenant_of_salt(cache_salt: str | None) -> str | None:
+    """The tenant a `derive_cache_salt` salt was derived from; None for no salt (a request
+    the server did not send, e.g. one added to the engine directly)."""
+    if cache_salt is None:
+        return None
+    return cache_salt.partition(_SALT_SEPARATOR)[0]
 
 
 def _check_tenant(tenant: str) -> None:
-    if not tenant or "\x00" in tenant or tenant != tenant.strip():
+    if not tenant or _SALT_SEPARATOR in tenant or tenant != tenant.strip():
         raise ValueError("tenant names must be non-empty, without NUL or edge whitespace")

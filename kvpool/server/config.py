@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool.server.auth import ApiKeyTable
+from kvpool.server.auth import ADMIN_TENANT, ApiKeyTable
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -30,11 +30,16 @@ class ServerConfig:
     `--metrics-api-key`) are accepted there too, and only there, so Prometheus can scrape
     without a tenant's key; `allow_unauthenticated_metrics` opens /metrics to anyone. The two
     contradict each other, so giving both is an error.
+
+    `admin_api_keys` (from `--admin-api-key`, tenant `ADMIN_TENANT`) open every path a tenant's
+    key does, and /metrics; with one, /v1/kv/snapshot lists every tenant's requests (a tenant
+    sees only its own). No tenant key may name the admin tenant.
     """
 
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
     api_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
     metrics_api_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
+    admin_api_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
     allow_unauthenticated_metrics: bool = False
     max_concurrent_requests: int | None = 1024
     max_queued_sequences: int | None = 4096  # prompts × n, summed over requests in flight
@@ -71,6 +76,10 @@ class ServerConfig:
         if self.tool_call_parser not in tool_parser_names():
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: "
                              f"{', '.join(tool_parser_names())})")
+        if any(tenant == ADMIN_TENANT for tenant, _ in self.api_keys.entries):
+            raise ValueError(f"tenant name {ADMIN_TENANT!r} is reserved for --admin-api-key")
+        if any(tenant != ADMIN_TENANT for tenant, _ in self.admin_api_keys.entries):
+            raise ValueError(f"admin_api_keys must all name tenant {ADMIN_TENANT!r}")
         if self.metrics_api_keys.is_enabled and self.allow_unauthenticated_metrics:
             raise ValueError("give either a metrics API key or allow unauthenticated metrics, "
                              "not both")

@@ -1,9 +1,14 @@
 """Pure ASGI middleware that runs before any route: authentication, then the body-size limit.
 
-Which key a path needs (`AccessPolicy`): /health and /ping none; /metrics a tenant key or the
-metrics key (`--metrics-api-key`), or none with `--allow-unauthenticated-metrics`; every other
-path, unknown ones included, a tenant key. With no key of the kind a path takes configured,
-the path is open.
+Which key a path needs (`AccessPolicy`): /health, /ping and /dashboard none (the dashboard is
+a static page that asks for a key itself); /metrics a tenant, admin or metrics key
+(`--metrics-api-key`), or none with `--allow-unauthenticated-metrics`; every other path, unknown
+ones included, a tenant or admin key (`--admin-api-key`). With no key of the kinds a path takes
+configured, the path is open.
+
+Besides `request.state.tenant`, the middleware sets `request.state.sees_all_tenants`: true for
+an admin key, and for every request on a path that needs no key (authentication off), where
+there is no tenant to hide anything from.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and client-disconnect
 messages pass through untouched. A rejected request costs no work: authentication looks at
@@ -18,37 +23,39 @@ from dataclasses import dataclass, field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpool.server.auth import DEFAULT_TENANT, ApiKeyTable
+from kvpool.server.auth import ADMIN_TENANT, DEFAULT_TENANT, ApiKeyTable
 from kvpool.server.errors import OpenAIError
 
-OPEN_PATHS = frozenset({"/health", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/dashboard"})
 METRICS_PATH = "/metrics"
 
 
 @dataclass(frozen=True, slots=True)
 class AccessPolicy:
-    """The keys each path accepts. `metrics_keys` are accepted on /metrics only (tenant
-    `METRICS_TENANT`), besides the tenants' keys; `is_metrics_open` lets /metrics be scraped
-    without any key."""
+    """The keys each path accepts. `admin_keys` (tenant `ADMIN_TENANT`) are accepted wherever
+    the tenants' keys are; `metrics_keys` on /metrics only (tenant `METRICS_TENANT`);
+    `is_metrics_open` lets /metrics be scraped without any key."""
 
     keys: ApiKeyTable = field(default_factory=ApiKeyTable)
     metrics_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
     is_metrics_open: bool = False
+    admin_keys: ApiKeyTable = field(default_factory=ApiKeyTable)
 
     def keys_for(self, path: str) -> ApiKeyTable | None:
         """The keys that may open `path`; None: it is open."""
         if path in OPEN_PATHS or (path == METRICS_PATH and self.is_metrics_open):
             return None
-        table = self.keys
+        entries = self.keys.entries + self.admin_keys.entries
         if path == METRICS_PATH:
-            table = ApiKeyTable(self.keys.entries + self.metrics_keys.entries)
-        return table if table.is_enabled else None
+            entries += self.metrics_keys.entries
+        return ApiKeyTable(entries) if entries else None
 
 
 class AuthMiddleware:
     """Every path `policy` guards needs `Authorization: Bearer <key>`, one of the keys it
     accepts there. The authenticated tenant is put in `request.state.tenant` (the default
-    tenant on an open path)."""
+    tenant on an open path), and whether it may see every tenant in
+    `request.state.sees_all_tenants` (module docstring)."""
 
     def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
         self.app = app
@@ -65,7 +72,10 @@ class AuthMiddleware:
             if tenant is None:
                 await _send_error(scope, receive, send, _unauthorized(scope))
                 return
-        scope.setdefault("state", {})["tenant"] = tenant
+        state = scope.setdefault("state", {})
+        state["tenant"] = tenant
+        # ServerConfig reserves the admin tenant's name for admin keys.
+        state["sees_all_tenants"] = keys is None or tenant == ADMIN_TENANT
         await self.app(scope, receive, send)
 
 

@@ -4,9 +4,11 @@ No model runs: a strategy only decides where each token's KV would live, so cont
 reservations (on the engine's `Arena`, or on `SizeClassArena`, which adds size classes and
 compaction) and paged blocks (on the real `BlockPool`) can be compared on the same budget and
 trace: `kvpool.sim.simulate.simulate(trace, strategy, config)`.
+`requests_from_kv_trace` turns a recorded KV trace (`--kv-trace`) into such a trace.
 `kvpool simulate` is the command line (kvpool/cli/simulate.py).
 """
 
+from kvpool.sim.kv_trace_replay import KVTraceRequests, requests_from_kv_trace
 from kvpool.sim.model_shape import KV_SHAPES, KVShape, kv_shape
 from kvpool.sim.simulate import SimResult
 from kvpool.sim.strategies import MemorySnapshot, SimConfig, Strategy, build_strategies
@@ -22,6 +24,7 @@ from kvpool.sim.trace import (
 __all__ = [
     "KV_SHAPES",
     "KVShape",
+    "KVTraceRequests",
     "MemorySnapshot",
     "Request",
     "SimConfig",
@@ -31,6 +34,7 @@ __all__ = [
     "build_strategies",
     "kv_shape",
     "load_jsonl",
+    "requests_from_kv_trace",
     "save_jsonl",
     "sharegpt_trace",
     "uniform_trace",

@@ -9,7 +9,7 @@ import sys
 
 from kvpool.cli import build_parser
 
-COMMANDS = {"demo", "generate", "chat", "serve", "simulate", "bench"}
+COMMANDS = {"demo", "generate", "chat", "serve", "simulate", "bench", "inspect"}
 HEAVY_MODULES = ("torch", "triton", "transformers", "numpy", "fastapi", "uvicorn", "gguf")
 # A fresh interpreter: this test process has long imported torch through other tests.
 PROBE = f"""
@@ -25,7 +25,8 @@ def test_every_command_is_registered() -> None:
     assert set(subparsers.choices) == COMMANDS
     bench = subparsers.choices["bench"]._subparsers._group_actions[0]
     assert set(bench.choices) == {"blocks", "throughput", "serve", "precision", "kv-capacity",
-                                  "kv-granularity", "multi-turn", "structured"}
+                                  "kv-granularity", "multi-turn", "structured", "kv-trace",
+                                  "snapshot"}
 
 
 def test_building_the_parser_imports_nothing_heavy() -> None:

@@ -33,3 +33,9 @@ def test_cli_json_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
 def test_cli_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--trace", "jsonl"]) == 2
     assert "--trace-file" in capsys.readouterr().err
+
+
+def test_cli_help_names_the_kv_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    assert "--trace kv" in capsys.readouterr().out

@@ -232,3 +232,11 @@ def test_a_match_counts_revivals_and_sizes_admission():
 def test_invalid_pool_shapes_are_rejected(num_blocks, block_size):
     with pytest.raises(ValueError, match="at least 1"):
         make_pool(num_blocks, block_size)
+
+
+def test_a_view_of_a_new_pool_has_no_hashes_and_one_free_run():
+    from kvpool.memory.pool_view import take_pool_view
+
+    view = take_pool_view(BlockPool(8, KVLayout(4)), [])
+    assert len(view.hashes) == 0 and view.to_json()["hashes"] == []
+    assert [(run.state, run.count) for run in view.runs] == [("offline", 1), ("free", 8)]

@@ -18,12 +18,13 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pool_checks import assert_cached_blocks_hold_table_tokens
+from pool_checks import assert_cached_blocks_hold_table_tokens, assert_view_matches_pool
 
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.pool_view import take_pool_view
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -148,6 +149,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def hashed_blocks_hold_the_tokens_of_every_table_using_them(self):
         assert_cached_blocks_hold_table_tokens(self.pool, self.tables.values())
+
+    @invariant()
+    def the_pool_view_agrees_with_the_pool(self):
+        tables = [tuple(table.block_ids) for table in self.tables.values()]
+        assert_view_matches_pool(take_pool_view(self.pool, tables), self.pool, tables)
 
     @invariant()
     def different_salts_never_share_a_block(self):

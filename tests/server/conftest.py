@@ -136,6 +136,19 @@ def offline_generate(loaded: LoadedModel, prompt: str | list[int], params: Any) 
     return final
 
 
+def slow_steps(server: RunningServer, seconds: float) -> None:
+    """Make each engine step of `server` last at least `seconds` (the fast model steps in
+    milliseconds), so that a long request stays in flight while a test looks at the pool."""
+    engine = server.engine.engine
+    step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+
+
 def scrape(server: RunningServer) -> dict[str, float]:
     """/metrics as sample name (with any label but model_name) -> value."""
     text = httpx.get(f"{server.base_url}/metrics").text

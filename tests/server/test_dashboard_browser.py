@@ -1,0 +1,136 @@
+"""/dashboard in a real headless chromium against a live server.
+
+The grid draws one cell per block id (64 online + the null block); long streams turn free
+blocks into used ones (and an n=2 request's prompt blocks into shared ones) on the map without
+a reload; hovering a block shows its tooltip; clicking a request highlights its block table.
+With keys configured the page asks for one, then shows the map. Chromium and chromedriver are
+installed by `make setup`: a missing browser fails the test, it never skips it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from kvpool.server.auth import ApiKeyTable
+from kvpool.server.config import ServerConfig
+from scripts.screenshots import headless_chromium, hover_block
+from tests.server.conftest import MODEL, RunningServer, slow_steps
+
+NUM_BLOCKS = 64
+PROMPT = "The lighthouse keeper wrote down every ship that passed the northern cape, " * 2
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    try:
+        driver = headless_chromium(1200, 900)
+    except RuntimeError as error:
+        pytest.fail(str(error))
+    yield driver
+    driver.quit()
+
+
+@contextmanager
+def streaming(server: RunningServer, n: int, headers: dict[str, str] | None = None
+              ) -> Iterator[None]:
+    """A long completion in flight (first token out) until the block ends."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 250, "n": n, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http, http.stream(
+            "POST", "/v1/completions", json=body, headers=headers or {}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # kept open: a closed iterator closes the connection
+        while not next(lines).startswith("data:"):
+            pass
+        yield
+
+
+def grid_data(browser: WebDriver) -> dict[str, Any]:
+    grid = browser.find_element(By.ID, "block-grid")
+    return {"count": int(grid.get_attribute("data-block-count") or 0),
+            "online": int(grid.get_attribute("data-online-blocks") or 0),
+            "states": json.loads(grid.get_attribute("data-state-counts") or "{}"),
+            "shared": int(grid.get_attribute("data-shared-count") or 0),
+            "highlighted": int(grid.get_attribute("data-highlighted-count") or 0)}
+
+
+def request_rows(browser: WebDriver) -> list[Any]:
+    return browser.find_elements(By.CSS_SELECTOR, "#request-table tr[data-request-id]")
+
+
+def wait_for(browser: WebDriver, condition, timeout: float = 10) -> Any:
+    return WebDriverWait(browser, timeout, poll_frequency=0.1).until(lambda _: condition())
+
+
+def test_the_map_follows_the_pool_and_answers_hover_and_click(
+        browser, make_server, tmp_path: Path) -> None:
+    server = make_server(num_gpu_blocks=NUM_BLOCKS)
+    slow_steps(server, 0.02)  # 250 tokens: over 5 s in flight (3 sequences fit 64 blocks)
+    browser.get(f"{server.base_url}/dashboard?interval=200")
+    idle = wait_for(browser, lambda: grid_data(browser)["count"] and grid_data(browser))
+    assert (idle["count"], idle["online"]) == (NUM_BLOCKS + 1, NUM_BLOCKS)  # + the null block
+    assert idle["states"] == {"free": NUM_BLOCKS, "used": 0, "cached": 0, "offline": 1,
+                              "other": 0}
+    with ExitStack() as stack:
+        stack.enter_context(streaming(server, n=2))
+        stack.enter_context(streaming(server, n=1))
+        rows = wait_for(browser, lambda: len(request_rows(browser)) == 3  # one per sequence
+                        and request_rows(browser))  # both requests on the page: sharing settled
+        busy = grid_data(browser)
+        assert busy["states"]["used"] > 0 and busy["shared"] > 0
+        assert busy["count"] == sum(busy["states"].values()) == NUM_BLOCKS + 1
+
+        snapshot = httpx.get(f"{server.base_url}/v1/kv/snapshot").json()
+        first, _, _, ref_count, _, holders = next(
+            run for run in snapshot["pools"]["device"]["runs"] if run[3] > 1)  # a shared one
+        grid = browser.find_element(By.ID, "block-grid")
+        hover_block(browser, grid, first)
+        tooltip = browser.find_element(By.ID, "block-tooltip")
+        wait_for(browser, tooltip.is_displayed)
+        assert tooltip.get_attribute("data-block-id") == str(first)
+        owner = snapshot["sequences"][holders[0]]["request_id"]
+        assert f"block {first} · used" in tooltip.text and owner in tooltip.text
+        assert f"ref count {ref_count} (shared)" in tooltip.text
+
+        request_id = rows[-1].get_attribute("data-request-id")
+        rows[-1].click()
+        lit = wait_for(browser, lambda: grid_data(browser)["highlighted"])
+        own = {first + i for seq in snapshot["sequences"] if seq["request_id"] == request_id
+               for first, count in seq["block_ids"] for i in range(count)}
+        assert lit >= len(own) > 0  # its table then, and maybe a block more since
+        selected = browser.find_elements(By.CSS_SELECTOR, "#request-table tr.selected")
+        assert {row.get_attribute("data-request-id") for row in selected} == {request_id}
+        shot = tmp_path / "dashboard.png"
+        assert browser.save_screenshot(str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    charts = browser.find_elements(By.CSS_SELECTOR, "#charts figure")
+    assert {c.get_attribute("id") for c in charts} >= {"chart-usage", "chart-hit-rate",
+                                                       "chart-alloc-rate", "chart-preemptions",
+                                                       "chart-fragmentation"}
+
+
+def test_the_page_asks_for_a_key_when_the_server_needs_one(browser, make_server) -> None:
+    keys = ApiKeyTable.from_keys([("alice", "key-alice")])
+    server = make_server(ServerConfig(served_model_names=(MODEL,), api_keys=keys),
+                         num_gpu_blocks=NUM_BLOCKS)
+    browser.get(f"{server.base_url}/dashboard?interval=200")
+    browser.execute_script("sessionStorage.clear()")
+    browser.refresh()
+    form = browser.find_element(By.ID, "key-form")
+    wait_for(browser, form.is_displayed)
+    assert grid_data(browser)["count"] == 0  # nothing shown without a key
+    browser.find_element(By.ID, "api-key").send_keys("key-alice")
+    browser.find_element(By.ID, "key-submit").click()
+    wait_for(browser, lambda: grid_data(browser)["count"] == NUM_BLOCKS + 1)
+    assert not form.is_displayed()
+    assert browser.execute_script("return sessionStorage.getItem('kvpool-api-key')") == \
+        "key-alice"
