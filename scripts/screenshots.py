@@ -1,6 +1,6 @@
 """Save the pictures in docs/inspect.md: the dashboard, the pool map and the KV timeline.
 
-    python scripts/screenshots.py [--img-dir docs/img] [--num-gpu-blocks 256]
+    python scripts/screenshots.py [--img-dir docs/img] [--num-gpu-blocks 160]
 
 writes dashboard.png (the /dashboard page of a real server with traffic in flight),
 pool_map.png (`kvpool inspect --png` of a snapshot taken at the same moment) and
@@ -69,17 +69,29 @@ def stream(base_url: str, prompt: str, max_tokens: int, n: int = 1) -> None:
 
 
 def traffic(base_url: str) -> list[threading.Thread]:
-    """Warm the cache with one finished request, then start long ones in the background."""
+    """Warm the cache with one finished request, start long ones in the background, and keep
+    short requests on a shared system prompt coming (they finish, leave cached blocks, hit
+    the cached prefix and, in a small pool, make it evict)."""
     stream(base_url, SYSTEM + "List the ships of 1851.", 8)
-    prompts = [(SYSTEM + "Describe the winter storm of 1852 in detail.", 1),
-               (SYSTEM + "Write the keeper's log for one week.", 2),
-               ("An unrelated prompt about tide tables and the moon. " * 3, 1)]
-    threads = [threading.Thread(target=stream, args=(base_url, prompt, 600, n), daemon=True)
-               for prompt, n in prompts]
+    prompts = [(SYSTEM + "Describe the winter storm of 1852 in detail.", 600, 1),
+               (SYSTEM + "Write the keeper's log for one week.", 600, 2),
+               ("An unrelated prompt about tide tables and the moon. " * 3, 600, 1)]
+    threads = [threading.Thread(target=stream, args=(base_url, prompt, max_tokens, n),
+                                daemon=True) for prompt, max_tokens, n in prompts]
+    threads += [threading.Thread(target=churn, args=(base_url, worker), daemon=True)
+                for worker in range(2)]
     for thread in threads:
         thread.start()
         time.sleep(0.3)
     return threads
+
+
+def churn(base_url: str, worker: int) -> None:
+    """Short requests one after another: a shared system prompt, then a question of its own."""
+    for index in range(60):
+        question = f"Ledger entry {worker}-{index}: which cargo came in on day {index}? " * (
+            1 + index % 3)
+        stream(base_url, SYSTEM + question, 16 + 8 * (index % 5))
 
 
 def hover_block(driver: WebDriver, grid: WebElement, block_id: int) -> None:
@@ -100,7 +112,7 @@ def capture(base_url: str, out: Path) -> dict:
         driver.get(f"{base_url}/dashboard?interval=500")
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-request-id]"))
-        time.sleep(3)  # a few polls, so the time series have points
+        time.sleep(8)  # polls enough for the time series to have a shape
         row = driver.find_element(By.CSS_SELECTOR, "tr[data-request-id]")
         request_id = row.get_attribute("data-request-id")
         row.click()
@@ -120,7 +132,7 @@ def capture(base_url: str, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--img-dir", type=Path, default=Path("docs/img"))
-    parser.add_argument("--num-gpu-blocks", type=int, default=256)
+    parser.add_argument("--num-gpu-blocks", type=int, default=160)
     args = parser.parse_args()
 
     import tempfile

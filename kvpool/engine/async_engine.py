@@ -32,9 +32,10 @@ from typing import Any, TypeVar
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
 from kvpool.engine.grammar import GrammarCompiler
-from kvpool.engine.outputs import RequestOutput, merge_deltas
-from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.request_stream import RequestStream
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.kv_tiers import KVTierStats
 from kvpool.memory.pool_snapshot import KVSnapshot
@@ -62,69 +63,6 @@ class EngineSnapshot:
     num_requests_running: int
     num_requests_waiting: int
     num_failed_steps: int
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator that ends after the finished one.
-
-    The stream holds at most one output not yet taken: a consumer that lags (a slow client)
-    gets the newest cumulative output, or for `RequestOutputKind.DELTA` every delta since it
-    last took one merged into one (`merge_deltas`), so nothing piles up and nothing is lost.
-    Leaving `async with stream:` before the end aborts the request.
-    """
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncLLMEngine,
-                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
-        self.request_id = request_id
-        self.is_finished = False
-        self.loop = loop
-        self._engine = engine
-        self._is_delta = output_kind is RequestOutputKind.DELTA
-        self._latest: RequestOutput | None = None  # newest output not yet taken
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Hand an output or error to the consumer (called from the engine thread)."""
-        with contextlib.suppress(RuntimeError):  # the consumer's loop closed: nobody listens
-            self.loop.call_soon_threadsafe(self._deliver, item)
-
-    def _deliver(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self._error = item
-        elif self._latest is not None and self._is_delta:
-            self._latest = merge_deltas(self._latest, item)
-        else:
-            self._latest = item
-        self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.is_finished:
-            raise StopAsyncIteration
-        while self._latest is None and self._error is None:
-            self._ready.clear()
-            await self._ready.wait()
-        if self._latest is not None:  # an output that came before an error is still given
-            output, self._latest = self._latest, None
-            self.is_finished = output.finished
-            return output
-        self.is_finished = True
-        assert self._error is not None
-        raise self._error
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.abort_if_unfinished()
-
-    def abort_if_unfinished(self) -> None:
-        if not self.is_finished:
-            self.is_finished = True
-            self._engine.abort(self.request_id)
 
 
 class AsyncLLMEngine:

@@ -57,7 +57,7 @@ from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request
 from kvpool.engine.setup import EngineParts, build_engine_parts
 from kvpool.engine.warmup import warm_up
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.kv_tiers import KVTierStats

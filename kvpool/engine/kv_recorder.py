@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from kvpool.engine.kv_trace import EVENT_KINDS, TraceHeader
 from kvpool.memory.elastic_pool import ElasticKVPool
-from kvpool.memory.pool_snapshot import short_hash
+from kvpool.memory.snapshot_runs import short_hash
 
 if TYPE_CHECKING:
     from kvpool.engine.kv_manager import KVCacheManager

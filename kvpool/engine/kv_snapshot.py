@@ -12,16 +12,16 @@ import time
 from typing import TYPE_CHECKING
 
 from kvpool.engine.sequence import SequenceStatus
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.pool_snapshot import (
     USED,
     DerivedFigures,
     KVSnapshot,
     PoolView,
     SequenceView,
-    short_hash,
 )
 from kvpool.memory.pool_view import take_pool_view
+from kvpool.memory.snapshot_runs import short_hash
 
 if TYPE_CHECKING:
     from kvpool.engine.engine import LLMEngine

@@ -26,7 +26,7 @@ from kvpool.engine.engine import LLMEngine, PromptInput
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.engine.vllm_compat import engine_config
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool_stats import BlockPoolStats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -37,8 +37,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool.memory.pool_snapshot import KVSnapshot, short_hash
+from kvpool.memory.pool_snapshot import KVSnapshot
 from kvpool.memory.prefix_cache import BlockHash, PrefixCache, hash_full_blocks, salt_key
+from kvpool.memory.snapshot_runs import short_hash
 
 if TYPE_CHECKING:
     from kvpool.engine.engine import LLMEngine

@@ -41,8 +41,8 @@ of consecutive ids with equal (state, ref_count, filled slots, holders), not one
             "lru": [block_id, ...]}                    cached blocks, next evicted first
 
 A holder is an index into "sequences". The runs cover ids 0 .. capacity_blocks - 1 in order.
-A short hash is the first `SHORT_HASH_BYTES` of the block's chained hash, in hex: enough to
-tell blocks apart on a map, not to address them.
+A short hash is `kvpool.memory.snapshot_runs.short_hash`: the first bytes of the block's
+chained hash, in hex.
 
 Invariants (the snapshot tests check them against the live pool): the state counts equal
 `BlockPoolStats`; a used block's ref_count equals its number of holders and each holder's table
@@ -55,20 +55,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.memory.snapshot_runs import expand_hash_runs, expand_id_runs, hash_runs, id_runs
 
 SNAPSHOT_FORMAT = "kvpool.kv_snapshot"
 SNAPSHOT_VERSION = 1
-SHORT_HASH_BYTES = 4
 FREE, USED, CACHED, OFFLINE, OTHER = "free", "used", "cached", "offline", "other"
 BLOCK_STATES = (FREE, USED, CACHED, OFFLINE, OTHER)
-
-
-def short_hash(block_hash: bytes) -> str:
-    """The hex label of a block's chained hash (module docstring)."""
-    return block_hash[:SHORT_HASH_BYTES].hex()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +130,7 @@ class PoolView:
             "kv_cache_dtype": self.kv_cache_dtype,
             "runs": [[r.first_id, r.count, r.state, r.ref_count, r.num_filled_slots,
                       list(r.holders)] for r in self.runs],
-            "hashes": _hash_runs(self.hashes),
+            "hashes": hash_runs(self.hashes),
             "ages": [list(age_run) for age_run in self.ages],
             "lru": list(self.lru),
         }
@@ -150,7 +143,7 @@ class PoolView:
             bytes_per_block=int(doc["bytes_per_block"]), kv_cache_dtype=str(doc["kv_cache_dtype"]),
             runs=tuple(BlockRun(int(f), int(c), str(s), int(r), int(n), tuple(map(int, h)))
                        for f, c, s, r, n, h in doc["runs"]),
-            hashes=_expand_hash_runs(doc["hashes"]),
+            hashes=expand_hash_runs(doc["hashes"]),
             ages=tuple((int(f), int(c), None if a is None else float(a))
                        for f, c, a in doc["ages"]),
             lru=tuple(int(block_id) for block_id in doc["lru"]),
@@ -283,75 +276,3 @@ def _restrict_pool(view: PoolView, new_index: dict[int, int]) -> PoolView:
     for block_id in hidden:
         hashes.pop(block_id, None)
     return replace(view, runs=tuple(runs), hashes=hashes)
-
-
-class ShortHashes(Mapping[int, str]):
-    """Block id -> short hash, stored as sorted ids and one string of their labels: what a
-    pool view holds, without a Python string per block until one is asked for."""
-
-    def __init__(self, block_ids: np.ndarray, labels: str) -> None:
-        self.block_ids = block_ids  # ascending
-        self.labels = labels  # 2 * SHORT_HASH_BYTES hex digits per id, in that order
-
-    def __getitem__(self, block_id: int) -> str:
-        index = int(np.searchsorted(self.block_ids, block_id))
-        if index == len(self.block_ids) or self.block_ids[index] != block_id:
-            raise KeyError(block_id)
-        width = 2 * SHORT_HASH_BYTES
-        return self.labels[index * width : (index + 1) * width]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.block_ids.tolist())
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    def runs(self) -> list[list[Any]]:
-        """The JSON form: [[first_id, labels], ...] over runs of consecutive ids."""
-        ids, width = self.block_ids, 2 * SHORT_HASH_BYTES
-        if not len(ids):
-            return []
-        starts = np.flatnonzero(np.diff(ids, prepend=-2) != 1).tolist()
-        ends = [*starts[1:], len(ids)]
-        return [[int(ids[start]), self.labels[start * width : end * width]]
-                for start, end in zip(starts, ends, strict=True)]
-
-
-def _hash_runs(hashes: Mapping[int, str]) -> list[list[Any]]:
-    """[[first_id, labels], ...]: consecutive hashed ids share one entry (one string, not an
-    object per block: a pool of cached prefixes has tens of thousands of them)."""
-    if isinstance(hashes, ShortHashes):
-        return hashes.runs()
-    runs: list[list[Any]] = []
-    previous = -2
-    for block_id in sorted(hashes):
-        if block_id == previous + 1:
-            runs[-1][1].append(hashes[block_id])
-        else:
-            runs.append([block_id, [hashes[block_id]]])
-        previous = block_id
-    return [[first_id, "".join(labels)] for first_id, labels in runs]
-
-
-def _expand_hash_runs(runs: list[list[Any]]) -> dict[int, str]:
-    width = 2 * SHORT_HASH_BYTES
-    hashes: dict[int, str] = {}
-    for first_id, labels in runs:
-        for offset in range(0, len(labels), width):
-            hashes[int(first_id) + offset // width] = str(labels[offset : offset + width])
-    return hashes
-
-
-def id_runs(block_ids: tuple[int, ...] | list[int]) -> list[list[int]]:
-    """[[first, count], ...] for runs of consecutive ids, in the given order."""
-    runs: list[list[int]] = []
-    for block_id in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block_id:
-            runs[-1][1] += 1
-        else:
-            runs.append([block_id, 1])
-    return runs
-
-
-def expand_id_runs(runs: list[list[int]]) -> tuple[int, ...]:
-    return tuple(block_id for first, count in runs for block_id in range(first, first + count))

@@ -20,12 +20,11 @@ from kvpool.memory.pool_snapshot import (
     CACHED,
     FREE,
     OFFLINE,
-    SHORT_HASH_BYTES,
     USED,
     BlockRun,
     PoolView,
-    ShortHashes,
 )
+from kvpool.memory.snapshot_runs import SHORT_HASH_BYTES, ShortHashes
 
 _STATE_CODE = {state: code for code, state in enumerate(BLOCK_STATES)}
 _AGE_DECIMALS = 3  # ages are rounded to milliseconds, so blocks touched together form one run

@@ -32,7 +32,8 @@ from kvpool.engine.async_engine import EngineClosedError
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.inspect.explain import explain_prompt
 from kvpool.inspect.palette import BACKGROUND_COLOUR, BLOCK_COLOURS, SHARED_MARKER_COLOUR
-from kvpool.memory.pool_snapshot import SHORT_HASH_BYTES, KVSnapshot
+from kvpool.memory.pool_snapshot import KVSnapshot
+from kvpool.memory.snapshot_runs import SHORT_HASH_BYTES
 from kvpool.server.auth import derive_cache_salt, tenant_of_salt
 from kvpool.server.errors import OpenAIError, bad_request
 from kvpool.server.generation import ServerState

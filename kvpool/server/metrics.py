@@ -42,7 +42,7 @@ from prometheus_client.registry import Collector
 
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineSnapshot
 from kvpool.engine.outputs import RequestOutput
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.server.request_metrics import RequestHistograms
 
 

@@ -16,7 +16,7 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
 from kvpool.inspect.pool_map import draw_pool_map, grid_shape
 from kvpool.inspect.summary import format_summary, summary_json
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.pool_snapshot import (
     CACHED,
     FREE,
