@@ -10,6 +10,9 @@
 #   attention  decode kernel vs SDPA, 4 batches x 3 ctx  -> OUTDIR/attention.json
 #   engine     kvpool end to end, Llama-3-8B dummy bf16  -> OUTDIR/engine.json
 #   hf         transformers generate, same weights       -> OUTDIR/hf.json
+#   tp         with >= 2 GPUs only, over NCCL: collectives per step against their formula, and
+#              greedy tp=2 vs tp=1 token identity for real weights (`kvpool bench tp`; with
+#              dummy weights, drawn per rank, tokens are not compared) -> OUTDIR/tp.json
 #   tests      the kernel and KV-transfer tests, GPU-marked too -> OUTDIR/gpu_tests.xml
 #   summary    the targets checked                        -> OUTDIR/gpu_check.json
 # and the log in OUTDIR/gpu_check.log. The whole run stays within GPU_CHECK_BUDGET_S seconds
@@ -73,6 +76,22 @@ python_step bandwidth 25
 python_step attention 60
 python_step engine 55
 python_step hf 45
+
+# Tensor parallelism (docs/parallel.md) needs two GPUs; with fewer the step is skipped, not failed.
+num_gpus=0
+if command -v nvidia-smi >/dev/null; then
+    num_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+fi
+if [[ $num_gpus -ge 2 ]]; then
+    tp_args=(bench tp -tp 2 --device cuda --model qwen2-0.5b --load-format dummy --dtype float32
+        --num-prompts 8 --input-len 64 --output-len 32 --rounds 2 --output-json "$OUTDIR/tp.json")
+    if [[ ${#smoke_args[@]} -gt 0 ]]; then
+        tp_args+=(--num-prompts 2 --output-len 4 --rounds 1)
+    fi
+    run_step tp 60 "$PYTHON" -m kvpool "${tp_args[@]}"
+else
+    log "=== tp: skipped, $num_gpus GPU(s) visible (tensor parallelism needs 2)"
+fi
 
 pytest_args=(-q -p no:cacheprovider tests/attention/test_triton_kernels.py tests/memory/test_kv_transfer.py)
 pytest_args+=(--junitxml="$OUTDIR/gpu_tests.xml")

@@ -2,8 +2,8 @@
 names (`add_engine_args` -> `engine_config_from_args`), sampling flags (`add_sampling_args` ->
 `sampling_params_from_args`) and `parse_size` for byte sizes such as `512MiB`.
 
-vLLM's flags that kvpool has no counterpart for (`--tensor-parallel-size 1`, `--enforce-eager`,
-`--trust-remote-code`, ...) are accepted in their own group, from the one table of them
+vLLM's flags that kvpool has no counterpart for (`--enforce-eager`, `--trust-remote-code`,
+...) are accepted in their own group, from the one table of them
 (`kvpool.engine.vllm_compat`): at a neutral value with one warning, otherwise refused.
 
 Light on purpose (no torch): commands register these flags when `kvpool --help` builds its
@@ -143,7 +143,27 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     )
     _add_kv_pool_args(parser)
     _add_kv_tier_args(parser)
+    _add_parallel_args(parser)
     _add_vllm_compat_args(parser)
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tensor parallelism (kvpool.engine.parallel)")
+    group.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (spawned worker processes, or torchrun's "
+        "ranks: torchrun --nproc-per-node 2 -m kvpool serve -tp 2)",
+    )
+    group.add_argument(
+        "--distributed-timeout-seconds",
+        type=float,
+        default=60.0,
+        help="how long a collective waits for a peer before the step fails (a hung worker "
+        "becomes an error)",
+    )
 
 
 def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:

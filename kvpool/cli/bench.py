@@ -1,11 +1,11 @@
 """`kvpool bench blocks | throughput | multi-turn | serve | precision | kv-capacity |
-kv-granularity | structured | kv-trace | snapshot`: the benchmark commands' flags.
+kv-granularity | structured | kv-trace | snapshot | tp`: the benchmark commands' flags.
 
 This module owns only the parsers. Each benchmark's logic lives in its own module,
 `kvpool.bench.blocks`, `kvpool.bench.throughput`, `kvpool.bench.multi_turn`,
 `kvpool.bench.serve`, `kvpool.bench.precision`, `kvpool.bench.kv_capacity`,
-`kvpool.bench.kv_granularity`, `kvpool.bench.structured`, `kvpool.bench.kv_trace` and
-`kvpool.bench.snapshot`, whose
+`kvpool.bench.kv_granularity`, `kvpool.bench.structured`, `kvpool.bench.kv_trace`,
+`kvpool.bench.snapshot` and `kvpool.bench.tensor_parallel`, whose
 `run(args, ...)` prints a table, or one JSON object with `--json`. Those modules are imported
 when a benchmark runs, never when the parser is built.
 """
@@ -29,6 +29,9 @@ from kvpool.engine.config import PREEMPTION_MODES
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 
 DEFAULT_VOCAB_SIZE = 512  # --vocab-size: every preset's vocabulary is at least this large
+# `bench tp` without --model: dummy weights of a preset two ranks split (SmolLM2's 9 query
+# heads do not split in two).
+DEFAULT_TP_MODEL = "qwen2-0.5b"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for register_bench in (
         _register_blocks, _register_throughput, _register_multi_turn, _register_serve,
         _register_precision, _register_kv_capacity, _register_kv_granularity,
-        _register_structured, _register_kv_trace, _register_snapshot,
+        _register_structured, _register_kv_trace, _register_snapshot, _register_tp,
     ):
         register_bench(bench_subparsers)
 
@@ -314,3 +317,39 @@ def run_kv_trace(args: argparse.Namespace) -> int:
     from kvpool.bench import kv_trace
 
     return kv_trace.run(args, engine_config_from_args(args))
+
+
+def _register_tp(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "tp", help="tensor parallelism: collective calls, bytes and time per step of a greedy "
+        "batch at -tp N (default 2) vs 1, and a paper estimate for tp 2/4/8 on H200s")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="print only the paper estimate (starts no engine)")
+    parser.add_argument("--num-prompts", type=int, default=8, help="the batch (default 8)")
+    parser.add_argument("--input-len", type=int, default=64,
+                        help="random prompt tokens per request (default 64)")
+    parser.add_argument("--output-len", type=int, default=32,
+                        help="tokens every request generates (default 32)")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed runs per tp size, after one warm-up (default 3)")
+    parser.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4, 8], metavar="N",
+                        help="the estimate's tp sizes (default 1 2 4 8)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64], metavar="B",
+                        help="the estimate's decode batches (default 1 64)")
+    parser.add_argument("--context", type=int, default=2048,
+                        help="the estimate's tokens of context per sequence (default 2048)")
+    parser.add_argument("--output-json", default=None, metavar="PATH",
+                        help="also write the JSON object to PATH")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(parser)  # -tp N: the measured size (default here 2); --dtype default fp32
+    parser.set_defaults(func=run_tp, dtype="float32")
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    from kvpool.bench import tensor_parallel
+
+    if args.model is None:
+        args.model, args.load_format = DEFAULT_TP_MODEL, "dummy"
+    engine_config = None if args.estimate_only else engine_config_from_args(args)
+    return tensor_parallel.run(args, engine_config)

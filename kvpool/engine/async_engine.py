@@ -84,7 +84,7 @@ class AsyncLLMEngine:
         self._is_stopping = False
         self._is_closed = False  # the thread's last drain is done: no command runs any more
         self._num_failed_steps = 0
-        self.unhealthy_reason: str | None = None
+        self._unhealthy_reason: str | None = None  # the loop's own findings
         self._snapshot = self._take_snapshot()
         self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
         self._thread.start()
@@ -107,6 +107,12 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.unhealthy_reason is None
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine is unhealthy (the loop's findings, or the engine's own: a dead
+        tensor-parallel worker), or None."""
+        return self._unhealthy_reason or self.engine.unhealthy_reason
 
     @property
     def is_accepting(self) -> bool:
@@ -211,7 +217,7 @@ class AsyncLLMEngine:
                     self._wakeup.wait(self.idle_tick_seconds)
         except BaseException as error:
             logger.exception("the engine thread died")
-            self.unhealthy_reason = f"the engine thread died: {type(error).__name__}"
+            self._unhealthy_reason = f"the engine thread died: {type(error).__name__}"
             self._fail_all(EngineError("the engine thread died"))
         finally:
             self._fail_all(EngineClosedError("the engine has shut down"))
@@ -232,7 +238,7 @@ class AsyncLLMEngine:
                 command()
             except Exception:
                 logger.exception("an engine command failed")
-                self.unhealthy_reason = "an engine command raised"
+                self._unhealthy_reason = "an engine command raised"
 
     def _add(
         self,
@@ -267,7 +273,7 @@ class AsyncLLMEngine:
         except Exception as error:
             logger.exception("engine step failed; failing every request in flight")
             self._num_failed_steps += 1
-            self._fail_all(EngineError(f"engine step failed: {type(error).__name__}"))
+            self._fail_all(EngineError(f"engine step failed: {type(error).__name__}: {error}"))
             return []
 
     def _route(self, outputs: list[RequestOutput]) -> None:
@@ -288,11 +294,11 @@ class AsyncLLMEngine:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
-                self.unhealthy_reason = "aborting a failed request raised"
+                self._unhealthy_reason = "aborting a failed request raised"
         self._streams.clear()
         self._update_no_requests()
         if self.engine.memory_stats().num_used_blocks != 0:
-            self.unhealthy_reason = "KV blocks stayed in use after every request was aborted"
+            self._unhealthy_reason = "KV blocks stayed in use after every request was aborted"
 
     def _stop(self) -> None:
         self._fail_all(EngineClosedError("the request was aborted: the server is shutting down"))
@@ -305,7 +311,7 @@ class AsyncLLMEngine:
             self.engine.resize_kv_pool()
         except Exception:
             logger.exception("resizing the idle KV pool failed")
-            self.unhealthy_reason = "resizing the idle KV pool raised"
+            self._unhealthy_reason = "resizing the idle KV pool raised"
 
     def _update_no_requests(self) -> None:
         if not self._streams:

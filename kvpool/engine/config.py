@@ -52,6 +52,13 @@ class EngineConfig:
     them (`kvpool.engine.generation_config`). vLLM arguments with no counterpart here are
     sorted out before this config is built (`kvpool.engine.vllm_compat`).
 
+    `tensor_parallel_size` (vLLM's name) splits the model over that many ranks
+    (`kvpool.engine.parallel`: rank 0 is this process, the others are spawned workers or
+    torchrun's ranks). A collective that waits longer than `distributed_timeout_seconds` for a
+    peer fails the step, so a hung worker becomes an error, not a hang. The first version
+    refuses, with tp > 1, the host and disk KV tiers, the elastic pool and devices other than
+    the CPU and CUDA.
+
     `kv_trace` names a file the engine writes its KV allocation events to, one JSON line each
     (`kvpool.engine.kv_trace`); its directory must exist. None: nothing is recorded.
     """
@@ -85,6 +92,8 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     override_generation_config: dict[str, Any] | None = None  # merged over those defaults
     kv_trace: str | None = None  # file of KV allocation events (--kv-trace); None: none
+    tensor_parallel_size: int = 1  # ranks the model is split over (vLLM's name)
+    distributed_timeout_seconds: float = 60.0  # a collective's longest wait for a peer
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
@@ -115,6 +124,7 @@ class EngineConfig:
         self._check_kv_pool()
         self._check_kv_tiers()
         self._check_kv_trace()
+        self._check_tensor_parallel()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -158,6 +168,29 @@ class EngineConfig:
             raise ValueError("kv_disk_cache must name a directory (or be None)")
         if self.kv_disk_cache is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_cache keeps prefix blocks: it needs enable_prefix_caching")
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse, naming the option, what tp > 1 does not support yet (the model's shapes
+        are checked when it is loaded: `kvpool.model.parallel.check_shapes`)."""
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if not self.distributed_timeout_seconds > 0:  # also refuses NaN
+            raise ValueError("distributed_timeout_seconds must be > 0, got "
+                             f"{self.distributed_timeout_seconds}")
+        if size == 1:
+            return
+        unsupported = {
+            "swap_space": self.swap_space > 0,
+            "kv_disk_cache": self.kv_disk_cache is not None,
+            "kv_pool='elastic'": self.kv_pool == "elastic",
+            f"device={self.device!r}": self.device.split(":")[0] not in ("cpu", "cuda", "auto"),
+        }
+        for option, given in unsupported.items():
+            if given:
+                raise ValueError(f"tensor_parallel_size > 1 does not support {option} yet "
+                                 "(one KV tier on each rank's device, a static pool, on the "
+                                 "CPU or CUDA)")
 
     def _check_kv_trace(self) -> None:
         if self.kv_trace is None:

@@ -80,7 +80,11 @@ class LLMEngine:
         self.dtype = parts.dtype  # the model's and the KV cache's ("auto" already resolved)
         self._default_sampling_params = parts.default_sampling_params
         self.kv_memory = parts.kv_memory
-        self.runner = ModelRunner(parts.model, self.kv_memory.kv_cache, parts.device)
+        self.runner = _make_runner(parts)
+        # Tensor parallelism's other ranks (None at tp=1): stopped at close, collection, exit.
+        self.workers = parts.workers
+        self._close_workers = weakref.finalize(
+            self, parts.workers.close if parts.workers is not None else _nothing)
         eos_ids = parts.tokenizer.eos_token_ids if parts.tokenizer else ()
         self.eos_token_ids = frozenset(eos_ids) | frozenset(parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
@@ -319,11 +323,19 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish the KV tiers' copies and the disk tier's writes (idempotent; also run when
-        the engine is garbage-collected and at exit); write out the KV trace, and stop it."""
+        the engine is garbage-collected and at exit); write out the KV trace, and stop it;
+        stop the tensor-parallel workers."""
         self._close_tiers()
         if self.kv_recorder is not None:
             self.kv_recorder.close()
             self.kv_recorder = None
+        self._close_workers()
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel worker died or hung), or
+        None while it can; safe to read from any thread."""
+        return None if self.workers is None else self.workers.failure_reason()
 
     def check_invariants(self) -> None:
         """Assert the scheduler's and KV memory's invariants (O(everything); for tests)."""
@@ -336,6 +348,20 @@ class LLMEngine:
         (vLLM's `generation_config="auto"`; `kvpool.engine.generation_config`): the defaults
         of a request that leaves them out. Empty when the model sets none. A copy."""
         return dict(self._default_sampling_params)
+
+
+def _make_runner(parts: EngineParts) -> ModelRunner:
+    """The model runner: rank 0's tensor-parallel one when there are workers."""
+    if parts.workers is None:
+        return ModelRunner(parts.model, parts.kv_memory.kv_cache, parts.device)
+    from kvpool.engine.parallel import TensorParallelRunner
+
+    return TensorParallelRunner(parts.model, parts.kv_memory.kv_cache, parts.device,
+                                parts.workers)
+
+
+def _nothing() -> None:
+    pass
 
 
 class _PhaseClock:

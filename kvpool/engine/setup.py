@@ -25,14 +25,20 @@ arena: they are short-lived tensors of varying shape that torch's caching alloca
 recycles without device calls, and taking them from the arena would mean threading
 preallocated outputs through every model layer. On CUDA the activation reserve above leaves
 them room; the arena holds KV blocks and nothing else, so every arena byte is a potential block.
+
+With `tensor_parallel_size` > 1 (`kvpool.engine.parallel`) the model's shapes are checked
+first, then the workers start, and this process builds rank 0's parts: its model shard and a
+KV cache of its local KV heads, sized as above; the workers are told that layout and block
+count, so every rank holds the same block ids. The parts then carry the `WorkerGroup`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,10 +52,14 @@ from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import AUTO, resolve_dtype
-from kvpool.model.loaders.auto import load_model
+from kvpool.model.loaders.auto import load_model, make_loader
 from kvpool.model.loaders.base import LoadedModel
 from kvpool.model.loaders.hub import resolve_model_path
+from kvpool.model.parallel import TensorParallel, check_shapes
 from kvpool.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvpool.engine.parallel import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,7 @@ class EngineParts:
     kv_memory: KVMemory
     # SamplingParams field -> value for the fields the model's generation config sets
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    workers: WorkerGroup | None = None  # the other ranks, with tensor_parallel_size > 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,12 +90,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_engine_model(config: EngineConfig) -> LoadedModel:
-    """Load the configured model (weights, tokenizer) on the configured device, in the
-    configured dtype ("auto" decided for that device)."""
-    device = resolve_device(config.device)
+def load_engine_model(config: EngineConfig, tp: TensorParallel | None = None,
+                      device: torch.device | None = None) -> LoadedModel:
+    """Load the configured model (weights, tokenizer) on the configured device (or
+    `device`), in the configured dtype ("auto" decided for that device); with a parallel
+    `tp`, only this rank's shard."""
+    device = device or resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     logger.info("loading the model in %s on %s (dtype=%r)", dtype, device, config.dtype)
+    shard = {"tp": tp} if tp is not None and tp.is_parallel else {}
     return load_model(
         config.model,
         load_format=config.load_format,
@@ -92,14 +106,49 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         device=device,
         attention_backend=get_attention_backend(config.attention_backend, device),
         seed=config.seed,
+        **shard,
     )
 
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     """Everything an engine runs on; pass `loaded` to reuse a model already in memory (its
-    dtype is the engine's: `config.dtype` "auto" takes it, an explicit one must match it)."""
+    dtype is the engine's: `config.dtype` "auto" takes it, an explicit one must match it).
+    With tensor_parallel_size > 1 the workers start too (and `loaded` must be None)."""
+    if config.tensor_parallel_size > 1:
+        return _build_parallel_parts(config, loaded)
     device = resolve_device(config.device)
-    loaded = loaded or load_engine_model(config)
+    return _assemble_parts(config, loaded or load_engine_model(config), device,
+                           TensorParallel.single())
+
+
+def _build_parallel_parts(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
+    """Rank 0's parts and the started workers (see the module docstring)."""
+    from kvpool.engine.parallel import WorkerGroup
+    from kvpool.engine.parallel.group import rank_device
+    from kvpool.engine.parallel.messages import KVSpec
+
+    if loaded is not None:
+        raise ValueError("tensor_parallel_size > 1 loads the model itself, one shard per "
+                         "rank: it cannot take a model loaded beforehand")
+    check_shapes(make_loader(config.model, config.load_format, config.seed).load_config(),
+                 config.tensor_parallel_size)
+    device = rank_device(resolve_device(config.device), 0)
+    workers = WorkerGroup.start(config, device)
+    try:
+        parts = _assemble_parts(config, load_engine_model(config, workers.tp, device), device,
+                                workers.tp)
+        kv_cache = parts.kv_memory.kv_cache
+        workers.send_kv_spec(KVSpec(kv_cache.layout, kv_cache.num_blocks))
+    except BaseException:
+        workers.close()
+        raise
+    return dataclasses.replace(parts, workers=workers)
+
+
+def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                    tp: TensorParallel) -> EngineParts:
+    """The parts around a loaded model (rank 0's shard under tensor parallelism: its KV
+    cache holds only this rank's KV heads)."""
     dtype = _model_dtype(config, loaded, device)
     model_config = loaded.config
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -109,6 +158,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
             f"{model_config.max_position_embeddings}"
         )
     layout = KVLayout.for_model(model_config, config.block_size, dtype, config.kv_cache_dtype)
+    layout = dataclasses.replace(layout,
+                                 num_kv_heads=tp.num_local_kv_heads(model_config.num_kv_heads))
     kv_memory = KVMemory(
         layout,
         kv_num_blocks(config, layout, device),

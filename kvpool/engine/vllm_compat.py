@@ -1,7 +1,7 @@
 """vLLM engine arguments kvpool has no counterpart for: accepted where ignoring them changes
 nothing, refused where it would.
 
-A script written for vLLM passes `LLM(model, tensor_parallel_size=1, enforce_eager=True,
+A script written for vLLM passes `LLM(model, pipeline_parallel_size=1, enforce_eager=True,
 trust_remote_code=True, ...)`. Each such argument has one entry in `VLLM_ARGS`: the values at
 which kvpool behaves as vLLM does with them (`neutral`; None: every value, for arguments that
 only tune machinery kvpool does not have, such as CUDA graphs), why, and what kvpool supports
@@ -31,7 +31,7 @@ from kvpool.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-_ONE_DEVICE = "kvpool runs one engine on one device"
+_ONE_DEVICE = "kvpool splits a model only by tensor parallelism (tensor_parallel_size)"
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,14 @@ class VLLMArg:
             return True
         if self.names_model and None not in (value, model) and str(value) == str(model):
             return True
-        # True == 1 in Python, but tensor_parallel_size=True is no size: bools match bools only.
+        # True == 1 in Python, but pipeline_parallel_size=True is no size: bools match bools only.
         return any(value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
                    for neutral in self.neutral)
 
 
 VLLM_ARGS: tuple[VLLMArg, ...] = (
-    # Parallelism: one engine, one device, one process.
-    VLLMArg("tensor_parallel_size", (1,), _ONE_DEVICE,
-            f"{_ONE_DEVICE}; tensor_parallel_size must be 1", int, ("-tp",)),
+    # Parallelism beyond tensor parallelism (an EngineConfig field): one engine, one process
+    # group.
     VLLMArg("pipeline_parallel_size", (1,), _ONE_DEVICE,
             f"{_ONE_DEVICE}; pipeline_parallel_size must be 1", int, ("-pp",)),
     VLLMArg("data_parallel_size", (1,), _ONE_DEVICE,

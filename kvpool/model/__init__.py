@@ -19,6 +19,7 @@ _LAZY_EXPORTS = {
     "LlamaModel": "kvpool.model.llama",
     "Tokenizer": "kvpool.model.tokenizer",
     "IncrementalDetokenizer": "kvpool.model.detokenizer",
+    "TensorParallel": "kvpool.model.parallel",
     "LoadedModel": "kvpool.model.loaders.base",
     "WeightLoader": "kvpool.model.loaders.base",
     "load_model": "kvpool.model.loaders.auto",

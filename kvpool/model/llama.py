@@ -12,6 +12,15 @@ e.g. `layers.0.self_attn.q_proj.weight`). Q/K/V and gate/up are stored fused, on
 `load_weights` copies each checkpoint tensor into its slice of the fused parameter. Every matmul
 is a `Linear` (`kvpool.model.linear`); `pack_weights()`, called once the weights are in, lays
 them out for the CPU's oneDNN matmul (a 2-3x faster decode step on the CPU).
+
+Tensor parallelism (`kvpool.model.parallel`, Megatron-style): given a `TensorParallel` of size
+> 1, each rank allocates only its shard: its query and KV heads (the fused qkv holds the local q,
+k and v rows), its columns of o_proj, its slice of gate/up and columns of down, its vocab rows
+of the embedding and LM head (tied heads share those rows); norms are replicated. o_proj, down
+and the embedding are followed by an all-reduce; the LM head's partial logits are gathered on
+rank 0. The KV cache a rank is given holds only its local KV heads. `checkpoint_tensors` names
+the local targets and `checkpoint_slices` the part of each full checkpoint tensor they take, so
+loaders read only that. At size 1 the collectives do nothing and every shard is the whole.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from kvpool.attention.metadata import AttentionMetadata
 from kvpool.kernels import fused
 from kvpool.model.config import ModelConfig
 from kvpool.model.linear import Linear
+from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes
 from kvpool.model.rope import StepRotary, cos_sin_cache
 
 
@@ -54,16 +64,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_id: int, backend: AttentionBackend,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, tp: TensorParallel,
     ):
         super().__init__()
         self.layer_id = layer_id
         self.backend = backend
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = len(tp.shard(config.num_heads))  # this rank's heads (all at tp=1)
+        self.num_kv_heads = tp.num_local_kv_heads(config.num_kv_heads)
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         qkv_size = self.q_size + 2 * self.kv_size
         self.qkv = Linear(config.hidden_size, qkv_size, config.attention_bias, dtype, device)
@@ -85,34 +96,36 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, k, v, kv_cache[:, self.layer_id], metadata, self.scale, layer_scales
         )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce_(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        hidden, intermediate = config.hidden_size, config.intermediate_size
+        self.tp = tp
+        self.intermediate_size = len(tp.shard(config.intermediate_size))  # this rank's slice
+        hidden, intermediate = config.hidden_size, self.intermediate_size
         self.gate_up = Linear(hidden, 2 * intermediate, False, dtype, device)
         self.down = Linear(intermediate, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(fused.silu_and_mul(self.gate_up(x)))
+        return self.tp.all_reduce_(self.down(fused.silu_and_mul(self.gate_up(x))))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_id: int, backend: AttentionBackend,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, tp: TensorParallel,
     ):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = Attention(config, layer_id, backend, dtype, device)
+        self.self_attn = Attention(config, layer_id, backend, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = MLP(config, dtype, device, tp)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: StepRotary,
@@ -132,7 +145,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, `num_layers` pre-norm decoder layers, final norm, LM head (tied or not)."""
+    """Embeddings, `num_layers` pre-norm decoder layers, final norm, LM head (tied or not);
+    with `tp` of size > 1, this rank's shard of them (module docstring)."""
 
     def __init__(
         self,
@@ -140,20 +154,24 @@ class LlamaModel(nn.Module):
         attention_backend: AttentionBackend,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: TensorParallel = TensorParallel.single(),  # noqa: B008 (frozen, immutable)
     ):
         super().__init__()
+        check_shapes(config, tp.size)  # a ValueError naming the field, not a failed assert
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
-        vocab_shape = (config.vocab_size, config.hidden_size)
-        self.embed_tokens = _empty(*vocab_shape, dtype=dtype, device=device)
+        self.tp = tp
+        self.vocab_range = tp.shard(config.vocab_size)  # this rank's rows of embedding, head
+        num_local_vocab = len(self.vocab_range)
+        self.embed_tokens = _empty(num_local_vocab, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, attention_backend, dtype, device)
+            DecoderLayer(config, i, attention_backend, dtype, device, tp)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         tied = self.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, tied)
+        self.lm_head = Linear(config.hidden_size, num_local_vocab, False, dtype, device, tied)
         cos, sin = cos_sin_cache(
             config.head_dim, config.rope_theta, config.max_position_embeddings,
             config.rope_scaling, device,
@@ -170,12 +188,15 @@ class LlamaModel(nn.Module):
         self,
         token_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, local_kv_heads, head_dim]
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_samples] int64: rows of the batch to sample from
         kv_scales: torch.Tensor | None = None,  # int8/fp8 KV: [num_blocks, num_layers, 2, ...]
-    ) -> torch.Tensor:  # [num_samples, vocab_size] float32
-        hidden = F.embedding(token_ids, self.embed_tokens)  # [num_tokens, hidden_size]
+    ) -> torch.Tensor | None:  # [num_samples, vocab_size] float32
+        """The logits of the `logits_indices` rows: the full vocabulary on rank 0 (at tp=1,
+        always); None on the other ranks, which send their vocab slice to rank 0. Every rank
+        must call it with the same inputs (each fills its own KV heads of `kv_cache`)."""
+        hidden = self._embed(token_ids)  # [num_tokens, hidden_size]
         rotary = StepRotary(self.rope_cos, self.rope_sin, positions)
         residual = None
         for layer in self.layers:
@@ -183,7 +204,19 @@ class LlamaModel(nn.Module):
         # The final norm is per row: select the rows that need logits first.
         hidden, residual = hidden[logits_indices], residual[logits_indices]
         self.norm.add_(hidden, residual)
-        return self.lm_head(hidden).float()
+        # Gathered in the model's dtype (half the bytes for bf16); concatenation is exact.
+        logits = self.tp.gather_last_dim(self.lm_head(hidden))  # [num_samples, vocab_size]
+        return None if logits is None else logits.float()
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank its own rows, zeros for the others' ids, summed
+        over the ranks (exact: one term is non-zero). # [num_tokens, hidden_size]"""
+        if not self.tp.is_parallel:
+            return F.embedding(token_ids, self.embed_tokens)
+        local_ids = token_ids - self.vocab_range.start
+        is_other = (local_ids < 0) | (local_ids >= len(self.vocab_range))
+        hidden = F.embedding(local_ids.masked_fill(is_other, 0), self.embed_tokens)
+        return self.tp.all_reduce_(hidden.masked_fill_(is_other.unsqueeze(-1), 0))
 
     # ------------------------------------------------------------- weights
     def linears(self) -> list[Linear]:
@@ -199,7 +232,8 @@ class LlamaModel(nn.Module):
         return sum(linear.pack() for linear in self.linears())
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> the (view of the) parameter it fills."""
+        """Checkpoint name -> the (view of the) parameter it fills: this rank's shard, which
+        `checkpoint_slices` says how to cut from the full checkpoint tensor."""
         if any(linear.is_packed for linear in self.linears()):
             raise ValueError("the weights were packed for inference: load them into a new model")
         targets = {"embed_tokens.weight": self.embed_tokens, "norm.weight": self.norm.weight}
@@ -227,7 +261,8 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (any dtype or device) into the parameters.
+        """Copy checkpoint tensors (any dtype or device) into the parameters. Under tensor
+        parallelism each tensor must already be this rank's slice (`checkpoint_slices`).
 
         Raises ValueError naming the tensor for an unknown name, a shape mismatch, or a tensor
         the model needs that `weights` never gave.
@@ -241,7 +276,7 @@ class LlamaModel(nn.Module):
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(target.shape)}"
+                    f"the model expects {tuple(target.shape)}{self._shard_note()}"
                 )
             target.copy_(tensor)
             missing.discard(name)
@@ -249,8 +284,61 @@ class LlamaModel(nn.Module):
             shown = ", ".join(f"{n} {tuple(targets[n].shape)}" for n in sorted(missing)[:5])
             raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: {shown}")
 
+    def _shard_note(self) -> str:
+        if not self.tp.is_parallel:
+            return ""
+        return f" (rank {self.tp.rank}'s shard at tensor_parallel_size {self.tp.size})"
 
-def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor a model of `config` needs, with its shape (no memory is used)."""
-    model = LlamaModel(config, attention_backend=None, device="meta")  # type: ignore[arg-type]
+
+def checkpoint_shapes(
+    config: ModelConfig, tp: TensorParallel = TensorParallel.single()  # noqa: B008
+) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor a model of `config` needs, with the shape of the part `tp`'s
+    rank holds (the full shape at tp=1); no memory is used."""
+    model = LlamaModel(config, None, device="meta", tp=tp)  # type: ignore[arg-type]
     return {name: tuple(t.shape) for name, t in model.checkpoint_tensors().items()}
+
+
+# Module -> (dimension it is split along, the unit of the split): "heads" (query heads),
+# "kv_heads", "ffn" (intermediate units) or "vocab" (rows of the vocabulary).
+_SPLITS = {
+    "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab"),
+    "self_attn.q_proj": (0, "heads"), "self_attn.o_proj": (1, "heads"),
+    "self_attn.k_proj": (0, "kv_heads"), "self_attn.v_proj": (0, "kv_heads"),
+    "mlp.gate_proj": (0, "ffn"), "mlp.up_proj": (0, "ffn"), "mlp.down_proj": (1, "ffn"),
+}
+
+
+def checkpoint_slices(
+    config: ModelConfig, tp: TensorParallel = TensorParallel.single()  # noqa: B008
+) -> dict[str, ShardSlice]:
+    """Checkpoint name -> the (dimension, range) of the FULL checkpoint tensor `tp`'s rank
+    needs, or None where it needs all of it (`shard_slice`, for every name)."""
+    return {name: shard_slice(config, tp, name) for name in checkpoint_shapes(config, tp)}
+
+
+def shard_slice(config: ModelConfig, tp: TensorParallel, name: str) -> ShardSlice:
+    """The (dimension, range) of the full checkpoint tensor `name` that `tp`'s rank needs, or
+    None where it needs all of it: always at tp=1, for norms, for a replicated KV head, and
+    for names the model does not know (`load_weights` rejects those). A loader that reads only
+    that part gives `load_weights` the shapes it expects; no model is built."""
+    split = _SPLITS.get(_module_name(name)) if tp.is_parallel else None
+    if split is None:
+        return None
+    dim, unit = split
+    part, total, width = {  # this rank's range of units, the number of units, their width
+        "heads": (tp.shard(config.num_heads), config.num_heads, config.head_dim),
+        "kv_heads": (tp.kv_heads(config.num_kv_heads), config.num_kv_heads, config.head_dim),
+        "ffn": (tp.shard(config.intermediate_size), config.intermediate_size, 1),
+        "vocab": (tp.shard(config.vocab_size), config.vocab_size, 1),
+    }[unit]
+    if len(part) == total:
+        return None
+    return dim, slice(part.start * width, part.stop * width)
+
+
+def _module_name(name: str) -> str:
+    """`layers.3.mlp.up_proj.weight` -> `mlp.up_proj`; `embed_tokens.weight` -> `embed_tokens`."""
+    module = name.rsplit(".", 1)[0]
+    parts = module.split(".", 2)
+    return parts[2] if parts[0] == "layers" and len(parts) == 3 else module

@@ -17,6 +17,8 @@ vLLM does: rank r holds KV head r // (tp / num_kv_heads). The block pool's bookk
 
 `TensorParallel.single()` (size 1) is the default everywhere: no process group, no collective,
 every slice the whole tensor. `check_shapes` refuses a model tp cannot split, naming the field.
+A `ShardSlice` says which part of a full checkpoint tensor a rank needs, so that loaders read
+only that part (`kvpool.model.llama.checkpoint_slices`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ import torch
 
 if TYPE_CHECKING:
     from kvpool.model.config import ModelConfig
+
+
+ShardSlice = tuple[int, slice] | None  # (dimension, its range) of a full tensor; None: all
+
+
+def take_slice(tensor: torch.Tensor, spec: ShardSlice) -> torch.Tensor:
+    """The part `spec` names of a full tensor (a view; the tensor itself for None)."""
+    if spec is None:
+        return tensor
+    dim, span = spec
+    return tensor.narrow(dim, span.start, span.stop - span.start)
 
 
 @dataclass(slots=True)

@@ -100,7 +100,7 @@ def test_vllm_flags_at_neutral_values_are_accepted_with_one_warning(caplog):
     from kvpool.cli import build_parser
 
     args = build_parser().parse_args([
-        "serve", "org/model", "-tp", "1", "--pipeline-parallel-size", "1", "--enforce-eager",
+        "serve", "org/model", "--pipeline-parallel-size", "1", "--enforce-eager",
         "--trust-remote-code", "--disable-log-stats", "--tokenizer", "org/model",
         "--tokenizer-mode", "auto", "--revision", "main", "--no-enable-lora",
         "--compilation-config", '{"level": 3}'])
@@ -108,7 +108,7 @@ def test_vllm_flags_at_neutral_values_are_accepted_with_one_warning(caplog):
         config = engine_config_from_args(args)
     assert config.model == "org/model"
     [warning] = [r.getMessage() for r in caplog.records if r.name == "kvpool.engine.vllm_compat"]
-    assert "tensor_parallel_size=1" in warning and "enable_lora=False" in warning
+    assert "pipeline_parallel_size=1" in warning and "enable_lora=False" in warning
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvpool.engine.vllm_compat"):
         engine_config_from_args(build_parser().parse_args(["serve"]))
@@ -116,7 +116,7 @@ def test_vllm_flags_at_neutral_values_are_accepted_with_one_warning(caplog):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["-tp", "2"], "tensor_parallel_size must be 1"),
+    (["-pp", "2"], "pipeline_parallel_size must be 1"),
     (["--enable-lora"], "enable_lora must be False"),
     (["--tokenizer", "other/tokenizer"], "tokenizer must be None or the model"),
     (["--download-dir", "/models"], "set HF_HUB_CACHE"),

@@ -50,7 +50,7 @@ def _token_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 # ------------------------------------------------------------------ vLLM's arguments
 def test_vllm_arguments_at_neutral_values_are_ignored_with_one_warning(tiny_dir, caplog):
     neutral = {
-        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enforce_eager": True,
+        "pipeline_parallel_size": 1, "enforce_eager": True,
         "trust_remote_code": True, "disable_log_stats": True, "max_logprobs": 5,
         "tokenizer": str(tiny_dir), "tokenizer_mode": "auto", "revision": None,
         "download_dir": None, "disable_custom_all_reduce": True,
@@ -74,10 +74,9 @@ def test_vllm_names_of_kvpool_options_are_renamed(tiny_dir):
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"tensor_parallel_size": 2}, "kvpool runs one engine on one device; tensor_parallel_size "
-                                  "must be 1"),
-    ({"pipeline_parallel_size": 4}, "pipeline_parallel_size must be 1"),
-    ({"tensor_parallel_size": True}, "tensor_parallel_size must be 1"),  # a bool is no size
+    ({"pipeline_parallel_size": 2}, "kvpool splits a model only by tensor parallelism "
+                                    r"\(tensor_parallel_size\); pipeline_parallel_size must be 1"),
+    ({"pipeline_parallel_size": True}, "pipeline_parallel_size must be 1"),  # a bool is no size
     ({"tokenizer": "other/tokenizer"}, "tokenizer must be None or the model"),
     ({"quantization": "awq"}, "quantization must be None or 'gguf'"),
     ({"revision": "v2"}, "pass its snapshot directory as the model"),
@@ -90,9 +89,9 @@ def test_a_vllm_argument_kvpool_cannot_honour_is_refused_before_loading(options,
 
 
 def test_all_refused_arguments_are_named_at_once():
-    with pytest.raises(ValueError, match=r"arguments: tensor_parallel_size=2: .*; "
+    with pytest.raises(ValueError, match=r"arguments: pipeline_parallel_size=2: .*; "
                                          r"cpu_offload_gb=4: .*must be 0"):
-        LLM(tensor_parallel_size=2, cpu_offload_gb=4)
+        LLM(pipeline_parallel_size=2, cpu_offload_gb=4)
 
 
 @pytest.mark.parametrize(("name", "suggestion"), [

@@ -5,7 +5,8 @@ The model is a path, or a Hugging Face Hub id ("org/name") found in the local Hu
 `.gguf` file (or a directory holding exactly one) is GGUF, a directory with `config.json` and
 `*.safetensors` is a HuggingFace checkpoint. Random weights are never chosen implicitly:
 `load_format="dummy"` takes a preset name, a `ModelConfig`, or a real model path (whose config
-is used), and None means the default model's shape.
+is used), and None means the default model's shape. Under tensor parallelism every rank calls
+`load_model` with its `TensorParallel` and builds only its shard, reading only its slices.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvpool.model.loaders.base import LoadedModel, WeightLoader
 from kvpool.model.loaders.dummy import DummyLoader
 from kvpool.model.loaders.hf_dir import SafetensorsLoader, is_hf_directory
 from kvpool.model.loaders.hub import resolve_model_path
+from kvpool.model.parallel import TensorParallel, check_shapes
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEFAULT_DUMMY_PRESET = "smollm2-135m"
@@ -97,12 +99,14 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: AttentionBackend | None = None,
     seed: int = 0,
+    tp: TensorParallel = TensorParallel.single(),  # noqa: B008 (frozen, immutable)
 ) -> LoadedModel:
-    """Build the model, fill its weights, and load its tokenizer and generation config.
+    """Build the model (this rank's shard of it under `tp`), fill its weights, and load its
+    tokenizer and generation config.
 
     `dtype` is a torch dtype or a name (`kvpool.model.dtype`; "auto" is decided for `device`).
     `attention_backend` defaults to the torch reference backend. `seed` only affects dummy
-    weights.
+    weights. ValueError if `tp.size` cannot split the model (`check_shapes`).
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -112,8 +116,9 @@ def load_model(
         attention_backend = TorchAttentionBackend()
     loader = make_loader(model, load_format, seed)
     config = loader.load_config()
-    llama = LlamaModel(config, attention_backend, resolve_dtype(dtype, device), device)
-    llama.load_weights(loader.iter_weights(config, device))
+    check_shapes(config, tp.size)
+    llama = LlamaModel(config, attention_backend, resolve_dtype(dtype, device), device, tp)
+    llama.load_weights(loader.iter_weights(config, device, tp))
     llama.pack_weights()
     llama.eval()
     tokenizer = loader.load_tokenizer()

@@ -6,7 +6,9 @@ tokenizer that goes with them, and its generation config (HF's `generation_confi
 sampling fields become the engine's request defaults: `kvpool.engine.generation_config`).
 Checkpoint names are HuggingFace's without the `model.` prefix (`embed_tokens.weight`,
 `layers.3.self_attn.q_proj.weight`, `lm_head.weight`); tensors are yielded one at a time so a
-loader never holds the whole model twice.
+loader never holds the whole model twice. Under tensor parallelism a loader yields only the
+rank's part of each tensor (`kvpool.model.llama.checkpoint_slices`), reading no more of the
+source than it must.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from kvpool.model.llama import LlamaModel
@@ -30,9 +33,11 @@ class WeightLoader(Protocol):
     def load_config(self) -> ModelConfig: ...
 
     def iter_weights(
-        self, config: ModelConfig, device: torch.device
+        self, config: ModelConfig, device: torch.device,
+        tp: TensorParallel = TensorParallel.single(),  # noqa: B008 (frozen, immutable)
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint-named tensors in any float dtype, on `device` where that is cheaper."""
+        """Checkpoint-named tensors in any float dtype, on `device` where that is cheaper:
+        for each name, the part `checkpoint_slices(config, tp)` gives (all of it at tp=1)."""
         ...
 
     def load_tokenizer(self) -> Tokenizer | None: ...

@@ -9,6 +9,10 @@ HuggingFace's rotate-half layout (dimension i pairs with i + head_dim/2) to inte
 (2i with 2i+1), which its rotary kernel expects. Our rotary embedding uses the rotate-half layout,
 so for `llama` files the rows are put back. Qwen2 files are written without the reordering.
 
+Tensor parallelism: a rank reads only its slice of each tensor, cut from the raw quantized
+bytes before dequantizing (`read_slice`). The reordering is within each head, so whole heads
+are cut first and then put back with the local head count.
+
 Sampling defaults: llama.cpp's converter copies a model's generation_config.json into
 `general.sampling.*` keys; `load_generation_config` gives them back under HF's names.
 """
@@ -22,10 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.llama import shard_slice
 from kvpool.model.loaders.dequant import dequantize
+from kvpool.model.parallel import ShardSlice, TensorParallel, take_slice
 from kvpool.model.tokenizer import Tokenizer
 
 # general.sampling.<key> -> generation_config.json's name for it.
@@ -74,10 +80,46 @@ def tensor_bytes(tensor: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
 
 
+def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions reversed
+
+
 def dequantize_tensor(tensor: ReaderTensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A GGUF tensor as float32 in torch's dimension order (GGUF lists dimensions reversed)."""
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    return dequantize(tensor_bytes(tensor).to(device), tensor.tensor_type, shape)
+    """A GGUF tensor as float32 in torch's dimension order."""
+    return dequantize(tensor_bytes(tensor).to(device), tensor.tensor_type, torch_shape(tensor))
+
+
+def read_slice(
+    tensor: ReaderTensor, spec: ShardSlice, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The part `spec` names of a GGUF tensor (1-D or 2-D), as float32, copying and
+    dequantizing only that part's blocks where it can.
+
+    Each row (the last dimension) is a run of quantization blocks, so a range of rows is a
+    range of whole block runs, and a range of columns is a range of blocks within every row
+    when both its ends fall on block boundaries. A column range that cuts through a block
+    cannot be taken from the raw bytes: the whole tensor is dequantized, then sliced.
+    """
+    if spec is None:
+        return dequantize_tensor(tensor, device)
+    shape = torch_shape(tensor)
+    assert len(shape) in (1, 2), f"{tensor.name}: cannot slice a {len(shape)}-D tensor"
+    block_numel, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+    dim, span = spec
+    rows, cols = (1, *shape) if len(shape) == 1 else shape
+    # A view of the memory map: nothing is copied until the slice is taken.
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(rows, cols // block_numel, block_bytes)
+    is_column = dim == len(shape) - 1
+    if is_column and (span.start % block_numel or span.stop % block_numel):
+        return take_slice(dequantize_tensor(tensor, device), spec)  # not block-aligned
+    if is_column:
+        part = blocks[:, span.start // block_numel : span.stop // block_numel]
+    else:
+        part = blocks[span]
+    raw = torch.from_numpy(np.array(part, copy=True).reshape(-1)).to(device)  # out of the map
+    part_shape = list(shape)
+    part_shape[dim] = span.stop - span.start
+    return dequantize(raw, tensor.tensor_type, tuple(part_shape))
 
 
 class GGUFLoader:
@@ -102,18 +144,18 @@ class GGUFLoader:
         return config
 
     def iter_weights(
-        self, config: ModelConfig, device: torch.device
+        self, config: ModelConfig, device: torch.device,
+        tp: TensorParallel = TensorParallel.single(),  # noqa: B008 (frozen, immutable)
     ) -> Iterator[tuple[str, torch.Tensor]]:
         is_permuted = self.metadata["general.architecture"] == "llama"
         for gguf_name, tensor in self.tensors.items():
             if gguf_name == _ROPE_FREQS:
                 continue
             name = checkpoint_name(gguf_name)
-            weight = dequantize_tensor(tensor, device)
-            if is_permuted and ".q_proj." in name:
-                weight = unpermute_rows(weight, config.num_heads)
-            elif is_permuted and ".k_proj." in name:
-                weight = unpermute_rows(weight, config.num_kv_heads)
+            weight = read_slice(tensor, shard_slice(config, tp, name), device)
+            if is_permuted and (".q_proj." in name or ".k_proj." in name):
+                # Whole heads were read: put back each of the local ones.
+                weight = unpermute_rows(weight, weight.shape[0] // config.head_dim)
             yield name, weight
 
     def load_tokenizer(self) -> Tokenizer | None:

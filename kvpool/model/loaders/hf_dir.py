@@ -3,7 +3,8 @@
 Expected: `config.json`, one or more `*.safetensors` files (sharded or not) and, optionally,
 tokenizer files and `generation_config.json` (whose `eos_token_id` often lists more stop tokens
 than `config.json` does, and whose sampling fields are the model's request defaults). Tensors
-stream one at a time from `safetensors.safe_open`, straight onto the target device.
+stream one at a time from `safetensors.safe_open`, straight onto the target device; under
+tensor parallelism only each tensor's slice is read (`get_slice`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from safetensors import safe_open
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.llama import shard_slice
+from kvpool.model.parallel import ShardSlice, TensorParallel
 from kvpool.model.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -70,7 +73,8 @@ class SafetensorsLoader:
         return dict(self.generation_config)
 
     def iter_weights(
-        self, config: ModelConfig, device: torch.device
+        self, config: ModelConfig, device: torch.device,
+        tp: TensorParallel = TensorParallel.single(),  # noqa: B008 (frozen, immutable)
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for path in sorted(self.directory.glob("*.safetensors")):
             with safe_open(str(path), framework="pt", device=str(device)) as file:
@@ -80,9 +84,18 @@ class SafetensorsLoader:
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: the embedding matrix is the LM head
-                    yield name, file.get_tensor(hf_name)
+                    yield name, _read(file, hf_name, shard_slice(config, tp, name))
 
     def load_tokenizer(self) -> Tokenizer | None:
         if not any((self.directory / name).is_file() for name in _TOKENIZER_FILES):
             return None
         return Tokenizer.from_pretrained(self.directory, self.load_config().eos_token_ids)
+
+
+def _read(file: Any, hf_name: str, spec: ShardSlice) -> torch.Tensor:
+    """The tensor `hf_name` of an open safetensors file, or only the part `spec` names."""
+    if spec is None:
+        return file.get_tensor(hf_name)
+    dim, span = spec
+    index = (slice(None),) * dim + (span,)
+    return file.get_slice(hf_name)[index]

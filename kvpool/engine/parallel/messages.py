@@ -1,0 +1,61 @@
+"""What rank 0 tells its workers, over the control group, one pickled object per message.
+
+    KVSpec       once, at start-up: the KV layout (local KV heads) and the block count, so
+                 every rank's KV cache has the same block ids as rank 0's pool
+    StepMessage  every step: the block copies to apply first, then the model inputs (None
+                 for a step of copies only)
+    None         stop: the worker leaves its loop
+
+Inputs travel on the CPU (gloo pickles them) and each rank moves them to its own device:
+a CUDA tensor pickled on rank 0 would come back on rank 0's GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvpool.engine.model_runner import StepInputs
+from kvpool.memory.block_table import BlockCopy
+from kvpool.memory.kv_layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    layout: KVLayout  # rank 0's: block size, dtype and the local KV heads every rank holds
+    num_blocks: int  # rows of the KV tensor, the null block included
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    block_copies: tuple[BlockCopy, ...]
+    inputs: StepInputs | None
+
+
+def send(message: Any, control: Any) -> None:
+    """Rank 0: hand `message` to every worker."""
+    dist.broadcast_object_list([message], src=0, group=control)
+
+
+def receive(control: Any) -> Any:
+    """A worker: wait for rank 0's next message."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def inputs_to(inputs: StepInputs, device: torch.device) -> StepInputs:
+    """`inputs` with every tensor (its attention metadata's too) on `device`."""
+    metadata = _tensors_to(inputs.metadata, device)
+    return dataclasses.replace(_tensors_to(inputs, device), metadata=metadata)
+
+
+def _tensors_to(record: Any, device: torch.device) -> Any:
+    moved = {field.name: getattr(record, field.name).to(device)
+             for field in dataclasses.fields(record)
+             if isinstance(getattr(record, field.name), torch.Tensor)}
+    return dataclasses.replace(record, **moved)

@@ -1,0 +1,69 @@
+"""A worker rank (1..tp-1): its model shard and KV cache, run step by step as rank 0 says.
+
+    join the groups → load the shard → receive KVSpec → allocate the KV cache →
+    loop: receive StepMessage → copy blocks → run the model (its collectives meet rank 0's)
+    until the stop message (None)
+
+A worker owns no scheduler, pool or prefix cache: rank 0 decides every block id, and the
+worker's KV cache holds the same block ids with this rank's KV heads. Its model returns None
+(rank 0 alone gets the logits). Any error ends the process with a non-zero exit code, which
+rank 0 sees (its collectives fail, and it watches the process).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.parallel.group import Rendezvous, join, leave, rank_device, split_threads
+from kvpool.engine.parallel.messages import KVSpec, StepMessage, inputs_to, receive
+from kvpool.memory.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
+    """A worker process's whole life (the spawn target, and torchrun's ranks > 0)."""
+    from kvpool.engine.setup import load_engine_model, resolve_device
+
+    split_threads(rendezvous.size)
+    device = rank_device(resolve_device(config.device), rendezvous.rank)
+    tp, control = join(rendezvous, device)
+    try:
+        loaded = load_engine_model(config, tp, device)
+        spec: KVSpec | None = receive(control)
+        if spec is None:  # rank 0 failed to start, and stops the group
+            return
+        kv_cache = KVCache(spec.layout, spec.num_blocks, device)
+        _step_loop(loaded.model, kv_cache, control, device)
+    finally:
+        leave()
+
+
+@torch.inference_mode()
+def _step_loop(model: torch.nn.Module, kv_cache: KVCache, control: object,
+               device: torch.device) -> None:
+    """Run rank 0's steps until it says stop."""
+    while True:
+        message: StepMessage | None = receive(control)
+        if message is None:
+            return
+        kv_cache.copy_blocks(message.block_copies)  # before the model, as on rank 0
+        if message.inputs is None:
+            continue
+        inputs = inputs_to(message.inputs, device)
+        model(inputs.token_ids, inputs.positions, kv_cache.tensor, inputs.metadata,
+              inputs.logits_indices, kv_cache.scales)
+
+
+def spawned_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
+    """The spawned process's entry: a failure is logged and becomes exit code 1."""
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        run_worker(config, rendezvous)
+    except BaseException:
+        logger.exception("tensor-parallel worker rank %d failed", rendezvous.rank)
+        sys.exit(1)

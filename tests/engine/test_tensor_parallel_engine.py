@@ -1,0 +1,202 @@
+"""The engine at tensor_parallel_size=2 (CPU, gloo, one spawned worker) against tp=1.
+
+A tiny random Llama saved as a safetensors checkpoint (4 heads, 2 KV heads: tp=2 splits
+both) so both engines load the same weights, rank r reading its slices; fp32, greedy, so
+outputs must be token-identical. One tp=2 engine (a small pool, small chunks: prefill is
+chunked, sequences are preempted and recomputed, prefixes are cached) serves the equivalence
+tests and is closed by the last test; the start-up, fault and 8B tests build their own first.
+Only one tensor-parallel engine lives in a process at a time (the default process group is
+process-global), so the order of this file matters.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import LLMEngine
+from kvpool.engine.parallel import WorkerError
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.model.config import ModelConfig
+from kvpool.model.llama import checkpoint_shapes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+# A small pool and small chunks: chunked prefill, preemption (recompute), prefix caching.
+OPTIONS = {"load_format": "safetensors", "dtype": "float32", "block_size": 4,
+           "num_gpu_blocks": 40, "max_num_batched_tokens": 24,
+           "preemption_mode": "recompute", "enable_warmup": False}
+
+
+def _prompts() -> list[list[int]]:
+    """Twelve token-id prompts of 1 to ~100 tokens, some sharing a prefix."""
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 512) for _ in range(40)]
+    prompts = [[rng.randrange(3, 512) for _ in range(length)]
+               for length in (1, 3, 7, 15, 30, 60, 100, 5)]
+    return [*prompts, [*shared, 9, 10], [*shared, 11], shared[:20], shared * 2]
+
+
+PROMPTS = _prompts()
+
+
+def save_checkpoint(directory: Path, config: ModelConfig) -> str:
+    """A HuggingFace directory of random weights, large enough that greedy has no ties."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": config.architecture, "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "eos_token_id": 2,
+    }))
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, shape in checkpoint_shapes(config).items():
+        noise = torch.randn(shape, generator=generator)
+        tensors["model." + name] = noise.mul_(0.1).add_(1) if "norm" in name else noise * 0.2
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return save_checkpoint(tmp_path_factory.mktemp("tp_engine") / "tiny",
+                           ModelConfig.preset("tiny"))
+
+
+def run_all(engine: LLMEngine, prompts: list[list[int]],
+            params: SamplingParams = GREEDY) -> list[list[list[int]]]:
+    """Every prompt to completion; each request's completions' token ids, in order."""
+    requests = [engine.add_request(prompt, params) for prompt in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [[list(seq.output_token_ids) for seq in request.sequences] for request in requests]
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# ------------------------------------------------------------ before any engine
+def test_shapes_tp_cannot_split_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="num_heads"):
+        LLMEngine(EngineConfig(tensor_parallel_size=4))  # SmolLM2: 9 heads
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"swap_space": 1.0}, "swap_space"),
+    ({"kv_disk_cache": "/tmp/kv"}, "kv_disk_cache"),
+    ({"kv_pool": "elastic"}, "kv_pool='elastic'"),
+    ({"device": "mps"}, "device='mps'"),
+])
+def test_unsupported_options_are_refused_by_name(options, named):
+    with pytest.raises(ValueError, match=f"does not support {named}"):
+        EngineConfig(tensor_parallel_size=2, **options)
+
+
+def test_a_preloaded_model_is_refused(checkpoint):
+    from kvpool.engine.setup import build_engine_parts, load_engine_model
+
+    loaded = load_engine_model(EngineConfig(model=checkpoint, **OPTIONS))
+    with pytest.raises(ValueError, match="one shard per rank"):
+        build_engine_parts(EngineConfig(model=checkpoint, tensor_parallel_size=2, **OPTIONS),
+                           loaded)
+
+
+# ------------------------------------------------------------ faults
+def test_a_killed_worker_fails_the_step_in_bounded_time(checkpoint):
+    engine = LLMEngine(EngineConfig(model=checkpoint, tensor_parallel_size=2,
+                                    distributed_timeout_seconds=10, **OPTIONS))
+    try:
+        [pid] = engine.workers.pids
+        for prompt in PROMPTS[:4]:
+            engine.add_request(prompt, GREEDY)
+        engine.step()
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) was killed by "
+                                              r"signal 9 \(SIGKILL\)"):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - start < 30
+        assert "worker rank 1" in engine.unhealthy_reason
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="group broken"):
+            engine.step()
+        assert time.monotonic() - start < 1  # a broken group fails at once
+    finally:
+        engine.close()
+    assert_gone([pid])
+
+
+# ------------------------------------------------------------ the 8B shape
+def test_the_dummy_8b_shape_starts_at_tp2_and_steps():
+    engine = LLMEngine(EngineConfig(model="llama-3-8b", load_format="dummy", dtype="bfloat16",
+                                    tensor_parallel_size=2, num_gpu_blocks=4,
+                                    max_model_len=32, enable_warmup=False))
+    try:
+        assert engine.kv_memory.layout.num_kv_heads == 4  # 8 KV heads over 2 ranks
+        engine.add_request([128000, 791, 6864], SamplingParams(max_tokens=1))
+        outputs = engine.step()
+        assert len(outputs[0].outputs[0].token_ids) == 1
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------------ tp=2 == tp=1
+@pytest.fixture(scope="module")
+def engines(checkpoint) -> dict[int, LLMEngine]:
+    built = {size: LLMEngine(EngineConfig(model=checkpoint, tensor_parallel_size=size,
+                                          **OPTIONS))
+             for size in (1, 2)}
+    yield built
+    for engine in built.values():
+        engine.close()
+
+
+def test_greedy_outputs_equal_tp1_with_chunks_and_preemption(engines):
+    outputs = {size: run_all(engine, PROMPTS) for size, engine in engines.items()}
+    assert outputs[2] == outputs[1]
+    assert engines[2].scheduler.num_preemptions > 0  # the small pool did preempt
+    assert engines[2].kv_memory.layout.num_kv_heads == 1  # each rank: 1 of the 2 KV heads
+    assert engines[2].memory_stats().num_used_blocks == 0
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_and_still_matches(engines):
+    long_prompt = PROMPTS[6]  # 100 tokens: 25 of the 40 blocks
+    first = run_all(engines[2], [long_prompt])
+    before = engines[2].memory_stats().prefix_cache_hits_tokens
+    again = run_all(engines[2], [long_prompt])  # after it finished: its blocks are cached
+    assert engines[2].memory_stats().prefix_cache_hits_tokens >= before + 96
+    assert first == again == run_all(engines[1], [long_prompt])
+
+
+def test_seeded_sampling_with_n2_equals_tp1(engines):
+    # Rank 0 samples from logits equal to rounding, with the same seeds.
+    outputs = {size: run_all(engine, PROMPTS[:6], SEEDED) for size, engine in engines.items()}
+    assert outputs[2] == outputs[1]
+    assert all(len(completions) == 2 for completions in outputs[2])
+
+
+def test_close_leaves_no_worker_alive(engines):
+    pids = engines[2].workers.pids
+    engines[2].close()
+    engines[2].close()  # idempotent
+    assert_gone(pids)
+    assert multiprocessing.active_children() == []
