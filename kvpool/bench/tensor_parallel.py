@@ -38,6 +38,7 @@ from kvpool.bench.throughput import Workload
 from kvpool.bench.tp_estimate import estimate_report, format_estimate
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.model.parallel import row_parallel_pieces
 
 DEFAULT_TP_SIZE = 2  # when the engine flags leave -tp at 1
 SAME_TOKENS = {True: "yes", False: "NO", None: "not compared (dummy weights differ per tp)"}
@@ -57,12 +58,16 @@ class StepRecord:
 
 
 def expected_step(model_config, tp_size: int, num_tokens: int, num_logits_rows: int,
-                  element_size: int) -> tuple[int, int]:
-    """(calls, bytes) rank 0's collectives should count in a step (module docstring)."""
+                  element_size: int, overlap_chunks: int = 1) -> tuple[int, int]:
+    """(calls, bytes) rank 0's collectives should count in a step (module docstring); with
+    `--tensor-parallel-overlap-chunks` the row-parallel all-reduces go in pieces (more calls,
+    the same bytes)."""
     if tp_size == 1:
         return 0, 0
-    num_all_reduces = 2 * model_config.num_layers + 1
-    all_reduce = num_all_reduces * num_tokens * model_config.hidden_size * element_size
+    pieces = row_parallel_pieces(num_tokens, overlap_chunks)
+    num_all_reduces = 2 * model_config.num_layers * pieces + 1
+    all_reduce = (2 * model_config.num_layers + 1) * num_tokens * model_config.hidden_size * (
+        element_size)
     gather = num_logits_rows * model_config.vocab_size // tp_size * element_size
     return num_all_reduces + (num_logits_rows > 0), all_reduce + gather
 
@@ -138,7 +143,7 @@ def measure(engine_config: EngineConfig, tp_size: int, workload: Workload,
 
 
 def summarize_steps(steps: list[StepRecord], model_config, tp_size: int,
-                    element_size: int) -> dict:
+                    element_size: int, overlap_chunks: int = 1) -> dict:
     """Per kind (decode, prefill): steps, calls and bytes per step, the collective share of
     step time, and whether every step matched the analytic expectation."""
     summary = {}
@@ -147,7 +152,8 @@ def summarize_steps(steps: list[StepRecord], model_config, tp_size: int,
         if not chosen:
             continue
         expected = [expected_step(model_config, tp_size, step.num_tokens,
-                                  step.num_logits_rows, element_size) for step in chosen]
+                                  step.num_logits_rows, element_size, overlap_chunks)
+                    for step in chosen]
         summary[kind] = {
             "num_steps": len(chosen),
             "tokens_per_step": statistics.mean(step.num_tokens for step in chosen),
@@ -174,7 +180,8 @@ def run_measurement(engine_config: EngineConfig, tp_size: int, workload: Workloa
              for size, result in results.items()}
     token_ids = [run["token_ids"] for result in results.values() for run in result["runs"]]
     steps = [step for run in results[tp_size]["runs"] for step in run["steps"]]
-    summary = summarize_steps(steps, model_config, tp_size, element_size)
+    summary = summarize_steps(steps, model_config, tp_size, element_size,
+                              engine_config.tensor_parallel_overlap_chunks)
     return {"tp_size": tp_size, "num_prompts": workload.num_prompts,
             "input_len": workload.input_len[0], "output_len": workload.output_len[0],
             "num_rounds": num_rounds, "dtype_bytes": element_size,

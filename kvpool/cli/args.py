@@ -164,6 +164,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="how long a collective waits for a peer before the step fails (a hung worker "
         "becomes an error)",
     )
+    group.add_argument(
+        "--tensor-parallel-overlap-chunks",
+        type=int,
+        default=1,
+        help="all-reduce each row-parallel layer's output in this many pieces, each in flight "
+        "while the next is computed (1: one all-reduce, no overlap)",
+    )
 
 
 def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:

@@ -55,7 +55,9 @@ class EngineConfig:
     `tensor_parallel_size` (vLLM's name) splits the model over that many ranks
     (`kvpool.engine.parallel`: rank 0 is this process, the others are spawned workers or
     torchrun's ranks). A collective that waits longer than `distributed_timeout_seconds` for a
-    peer fails the step, so a hung worker becomes an error, not a hang. The first version
+    peer fails the step, so a hung worker becomes an error, not a hang.
+    `tensor_parallel_overlap_chunks` > 1 all-reduces each row-parallel layer's output in that
+    many pieces, each in flight while the next is multiplied. The first version
     refuses, with tp > 1, the host and disk KV tiers, the elastic pool and devices other than
     the CPU and CUDA.
 
@@ -94,6 +96,7 @@ class EngineConfig:
     kv_trace: str | None = None  # file of KV allocation events (--kv-trace); None: none
     tensor_parallel_size: int = 1  # ranks the model is split over (vLLM's name)
     distributed_timeout_seconds: float = 60.0  # a collective's longest wait for a peer
+    tensor_parallel_overlap_chunks: int = 1  # row-parallel all-reduces in pieces, overlapped
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
@@ -175,6 +178,10 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        overlap = self.tensor_parallel_overlap_chunks
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 1:
+            raise ValueError(f"tensor_parallel_overlap_chunks must be an integer >= 1, got "
+                             f"{overlap!r}")
         if not self.distributed_timeout_seconds > 0:  # also refuses NaN
             raise ValueError("distributed_timeout_seconds must be > 0, got "
                              f"{self.distributed_timeout_seconds}")

@@ -96,7 +96,7 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, k, v, kv_cache[:, self.layer_id], metadata, self.scale, layer_scales
         )  # [num_tokens, num_heads, head_dim]
-        return self.tp.all_reduce_(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        return self.tp.row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -112,7 +112,7 @@ class MLP(nn.Module):
         self.down = Linear(intermediate, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce_(self.down(fused.silu_and_mul(self.gate_up(x))))
+        return self.tp.row_parallel(self.down, fused.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -24,6 +24,7 @@ only that part (`kvpool.model.llama.checkpoint_slices`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup (None: the default group, or size 1)
+    overlap_chunks: int = 1  # row-parallel matmuls all-reduced in this many pieces (1: whole)
 
     @classmethod
     def single(cls) -> TensorParallel:
@@ -107,6 +109,34 @@ class TensorParallel:
             _count(tensor, start)
         return tensor
 
+    def row_parallel(self, matmul: Callable[[torch.Tensor], torch.Tensor],
+                     x: torch.Tensor) -> torch.Tensor:
+        """`matmul(x)` (a row-parallel layer's partial sums) summed over the group.
+
+        With `overlap_chunks` > 1 the rows go in that many pieces and each piece's all-reduce
+        is started asynchronously as soon as it is multiplied, so it is in flight while the
+        next piece is: communication overlaps compute (the seed's overlap). Rows are
+        independent, so the result is the same. `COLLECTIVES.seconds` then counts only the
+        time spent waiting for them after the last piece."""
+        if not self.is_parallel:
+            return matmul(x)
+        num_pieces = row_parallel_pieces(x.shape[0], self.overlap_chunks)
+        if num_pieces == 1:
+            return self.all_reduce_(matmul(x))
+        import torch.distributed as dist
+
+        pieces, works = [], []
+        for part in x.tensor_split(num_pieces):
+            piece = matmul(part)
+            works.append(dist.all_reduce(piece, group=self.group, async_op=True))
+            pieces.append(piece)
+        start = time.perf_counter()
+        for work, piece in zip(works, pieces, strict=True):
+            work.wait()
+            _count(piece, start)
+            start = time.perf_counter()
+        return torch.cat(pieces)
+
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: every rank's `tensor` concatenated along the last dimension, in rank order;
         other ranks: None (they send theirs). At size 1 the tensor itself."""
@@ -120,6 +150,12 @@ class TensorParallel:
         dist.gather(tensor, parts, dst=0, group=self.group)
         _count(tensor, start)
         return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def row_parallel_pieces(num_rows: int, overlap_chunks: int) -> int:
+    """How many all-reduces `TensorParallel.row_parallel` splits `num_rows` rows into: the
+    overlap's pieces when each holds at least two rows, else one."""
+    return overlap_chunks if overlap_chunks > 1 and num_rows >= 2 * overlap_chunks else 1
 
 
 def _count(tensor: torch.Tensor, start: float) -> None:

@@ -75,6 +75,12 @@ def test_expected_step_bytes():
     assert expected_step(config, 2, 7, 0, 4) == (2 * config.num_layers + 1,
                                                  (2 * config.num_layers + 1) * 7 * 576 * 4)
     assert expected_step(config, 1, 7, 1, 4) == (0, 0)
+    # Overlapped pieces: more calls for the same bytes, and no split below two rows a piece.
+    layers, hidden, vocab = config.num_layers, config.hidden_size, config.vocab_size
+    same_bytes = (2 * layers + 1) * 8 * hidden * 4 + 2 * vocab // 3 * 4
+    assert expected_step(config, 3, 8, 2, 4, overlap_chunks=4) == (2 * layers * 4 + 2,
+                                                                   same_bytes)
+    assert expected_step(config, 3, 7, 2, 4, overlap_chunks=4)[0] == 2 * layers + 2
 
 
 def test_summarize_steps_splits_prefill_and_decode():

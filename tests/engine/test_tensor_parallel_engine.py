@@ -162,8 +162,10 @@ def test_the_dummy_8b_shape_starts_at_tp2_and_steps():
 # ------------------------------------------------------------ tp=2 == tp=1
 @pytest.fixture(scope="module")
 def engines(checkpoint) -> dict[int, LLMEngine]:
+    # tp=2 all-reduces in two overlapped pieces: the same tokens prove the overlap exact (the
+    # whole-tensor all-reduce is the model tests' and the tp benchmark test's).
     built = {size: LLMEngine(EngineConfig(model=checkpoint, tensor_parallel_size=size,
-                                          **OPTIONS))
+                                          tensor_parallel_overlap_chunks=size, **OPTIONS))
              for size in (1, 2)}
     yield built
     for engine in built.values():

@@ -88,7 +88,8 @@ class WorkerGroup:
                 processes.append(process)
         group = cls(TensorParallel(), None, processes, num_threads)
         try:
-            group.tp, group.control = join(rendezvous, rank_device(device, 0))
+            group.tp, group.control = join(rendezvous, rank_device(device, 0),
+                                           config.tensor_parallel_overlap_chunks)
         except BaseException:
             group.close()
             raise

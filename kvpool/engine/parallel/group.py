@@ -63,7 +63,8 @@ def torchrun_rendezvous(size: int, timeout_seconds: float) -> Rendezvous:
     return Rendezvous("env://", int(os.environ["RANK"]), size, timeout_seconds)
 
 
-def join(rendezvous: Rendezvous, device: torch.device) -> tuple[TensorParallel, Any]:
+def join(rendezvous: Rendezvous, device: torch.device,
+         overlap_chunks: int = 1) -> tuple[TensorParallel, Any]:
     """Join both groups (blocks until every rank has); returns this rank's `TensorParallel`
     (over the default group) and the control group."""
     if dist.is_initialized():
@@ -77,7 +78,7 @@ def join(rendezvous: Rendezvous, device: torch.device) -> tuple[TensorParallel, 
                             rank=rendezvous.rank, world_size=rendezvous.size,
                             timeout=timedelta(seconds=rendezvous.timeout_seconds))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TensorParallel(rendezvous.rank, rendezvous.size), control
+    return TensorParallel(rendezvous.rank, rendezvous.size, None, overlap_chunks), control
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -31,7 +31,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
 
     split_threads(rendezvous.size)
     device = rank_device(resolve_device(config.device), rendezvous.rank)
-    tp, control = join(rendezvous, device)
+    tp, control = join(rendezvous, device, config.tensor_parallel_overlap_chunks)
     try:
         loaded = load_engine_model(config, tp, device)
         spec: KVSpec | None = receive(control)
