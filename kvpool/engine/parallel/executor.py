@@ -5,7 +5,10 @@ interpreter each, as vLLM's multiprocessing executor) that rendezvous with this 
 free loopback port; under torchrun the other ranks already exist, and it only joins them.
 
 Faults, bounded in time: a worker that dies makes rank 0's next collective fail (gloo raises
-when a connection closes), one that hangs makes it time out (`distributed_timeout_seconds`);
+when a connection closes), one that hangs makes it time out (`distributed_timeout_seconds`).
+The step message itself goes over the control group, whose own timeout is days long (idle
+workers wait on it), so rank 0 hands it over from a short-lived thread and waits for that at
+most `distributed_timeout_seconds`: a worker too hung to take its step cannot hang rank 0;
 `fail` turns either into a `WorkerError` naming the dead worker, its pid and exit code when
 one has died (its process sentinel says so). After the first failure the group is broken:
 every later step raises at once, and `failure_reason` (the engine's health) says why.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import signal
+import threading
 from typing import Any
 
 import torch
@@ -56,9 +60,10 @@ class WorkerGroup:
     """Rank 0's handle on the other ranks of a tensor-parallel engine."""
 
     def __init__(self, tp: TensorParallel, control: Any, processes: list[Any],
-                 num_threads: int) -> None:
+                 num_threads: int, timeout_seconds: float = 60.0) -> None:
         self.tp = tp
         self.control = control
+        self.timeout_seconds = timeout_seconds  # the longest wait for a worker to take a step
         self.processes = processes  # rank r is processes[r - 1]; empty under torchrun
         self._num_threads = num_threads  # this process's torch threads before the group
         self._failure: str | None = None
@@ -86,7 +91,7 @@ class WorkerGroup:
                                           name=f"kvpool-tp-rank{rank}", daemon=True)
                 process.start()
                 processes.append(process)
-        group = cls(TensorParallel(), None, processes, num_threads)
+        group = cls(TensorParallel(), None, processes, num_threads, timeout)
         try:
             group.tp, group.control = join(rendezvous, rank_device(device, 0),
                                            config.tensor_parallel_overlap_chunks)
@@ -105,11 +110,24 @@ class WorkerGroup:
         self._send(message)
 
     def _send(self, message: Any) -> None:
+        """Hand `message` to every worker within `timeout_seconds` (module docstring)."""
         self.check()
-        try:
-            send(message, self.control)
-        except Exception as error:
-            raise self.fail(error) from error
+        outcome: list[BaseException] = []
+
+        def hand_over() -> None:
+            try:
+                send(message, self.control)
+            except BaseException as error:  # reported to the stepping thread below
+                outcome.append(error)
+
+        sender = threading.Thread(target=hand_over, name="kvpool-tp-send", daemon=True)
+        sender.start()
+        sender.join(self.timeout_seconds)
+        if sender.is_alive():
+            raise self.fail(TimeoutError(
+                f"the workers did not take a step within {self.timeout_seconds:g} s"))
+        if outcome:
+            raise self.fail(outcome[0]) from outcome[0]
 
     # ---------------------------------------------------------------- faults
     def check(self) -> None:
