@@ -34,13 +34,12 @@ from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 
 from kvpool.engine.config import EngineConfig
-from kvpool.engine.engine_stats import EngineStats, swap_stats
+from kvpool.engine.engine_stats import EngineStats, PhaseClock, swap_stats
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.grammar import GrammarCompiler
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.kv_recorder import KVRecorder
 from kvpool.engine.kv_snapshot import take_kv_snapshot
-from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.output_processor import OutputProcessor
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.preemption import PreemptionPolicy
@@ -55,7 +54,7 @@ from kvpool.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request
-from kvpool.engine.setup import EngineParts, build_engine_parts
+from kvpool.engine.setup import EngineParts, build_engine_parts, make_runner
 from kvpool.engine.warmup import warm_up
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
@@ -80,11 +79,11 @@ class LLMEngine:
         self.dtype = parts.dtype  # the model's and the KV cache's ("auto" already resolved)
         self._default_sampling_params = parts.default_sampling_params
         self.kv_memory = parts.kv_memory
-        self.runner = _make_runner(parts)
+        self.runner = make_runner(parts)
         # Tensor parallelism's other ranks (None at tp=1): stopped at close, collection, exit.
         self.workers = parts.workers
-        self._close_workers = weakref.finalize(
-            self, parts.workers.close if parts.workers is not None else _nothing)
+        self._close_workers = (None if parts.workers is None
+                               else weakref.finalize(self, parts.workers.close))
         eos_ids = parts.tokenizer.eos_token_ids if parts.tokenizer else ()
         self.eos_token_ids = frozenset(eos_ids) | frozenset(parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
@@ -199,7 +198,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that changed (and whose output
         kind hands one out now)."""
-        clock = _PhaseClock(self._phase_seconds)
+        clock = PhaseClock(self._phase_seconds)
         if self.kv_recorder is not None:
             self.kv_recorder.step = self._num_steps
         self._set_pool_clocks(time.monotonic())
@@ -218,7 +217,7 @@ class LLMEngine:
         clock.lap("output")
         return outputs
 
-    def _execute_and_sample(self, batch: SchedulerOutput, clock: _PhaseClock) -> SamplerOutput:
+    def _execute_and_sample(self, batch: SchedulerOutput, clock: PhaseClock) -> SamplerOutput:
         """The tiers' copies, the model and the sampler; if any raises, the step is rolled
         back first."""
         self.kv_tiers.before_step(batch.written_block_ids)
@@ -329,7 +328,8 @@ class LLMEngine:
         if self.kv_recorder is not None:
             self.kv_recorder.close()
             self.kv_recorder = None
-        self._close_workers()
+        if self._close_workers is not None:
+            self._close_workers()
 
     @property
     def unhealthy_reason(self) -> str | None:
@@ -348,33 +348,3 @@ class LLMEngine:
         (vLLM's `generation_config="auto"`; `kvpool.engine.generation_config`): the defaults
         of a request that leaves them out. Empty when the model sets none. A copy."""
         return dict(self._default_sampling_params)
-
-
-def _make_runner(parts: EngineParts) -> ModelRunner:
-    """The model runner: rank 0's tensor-parallel one when there are workers."""
-    if parts.workers is None:
-        return ModelRunner(parts.model, parts.kv_memory.kv_cache, parts.device)
-    from kvpool.engine.parallel import TensorParallelRunner
-
-    return TensorParallelRunner(parts.model, parts.kv_memory.kv_cache, parts.device,
-                                parts.workers)
-
-
-def _nothing() -> None:
-    pass
-
-
-class _PhaseClock:
-    """Adds the wall time since the previous lap to a named phase."""
-
-    def __init__(self, totals: dict[str, float]) -> None:
-        self.totals = totals
-        self.last = time.perf_counter()
-
-    def lap(self, phase: str) -> float:
-        """Charge the time since the previous lap to `phase`; return it (seconds)."""
-        now = time.perf_counter()
-        seconds = now - self.last
-        self.totals[phase] += seconds
-        self.last = now
-        return seconds

@@ -4,6 +4,7 @@ metrics; `swap_stats` turns the KV manager's preemption and tier counters into i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from kvpool.engine.kv_manager import SwapCounters
@@ -52,3 +53,19 @@ def swap_stats(counters: SwapCounters, bytes_per_block: int) -> dict:
 
 
 SWAP_FIELDS = tuple(swap_stats(SwapCounters(), 0))
+
+
+class PhaseClock:
+    """Adds the wall time since the previous lap to a named phase."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> float:
+        """Charge the time since the previous lap to `phase`; return it (seconds)."""
+        now = time.perf_counter()
+        seconds = now - self.last
+        self.totals[phase] += seconds
+        self.last = now
+        return seconds

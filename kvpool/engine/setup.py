@@ -45,6 +45,7 @@ import torch
 from kvpool.attention.selector import get_attention_backend
 from kvpool.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from kvpool.engine.generation_config import default_sampling_params
+from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticPoolConfig
@@ -251,3 +252,13 @@ def kv_num_blocks(config: EngineConfig, layout: KVLayout, device: torch.device) 
         raise ValueError(f"a KV budget of {budget} bytes holds no block besides the null block "
                          f"({layout.bytes_per_block} bytes each)")
     return num_rows - 1
+
+
+def make_runner(parts: EngineParts) -> ModelRunner:
+    """The model runner: rank 0's tensor-parallel one when there are workers."""
+    if parts.workers is None:
+        return ModelRunner(parts.model, parts.kv_memory.kv_cache, parts.device)
+    from kvpool.engine.parallel import TensorParallelRunner
+
+    return TensorParallelRunner(parts.model, parts.kv_memory.kv_cache, parts.device,
+                                parts.workers)
