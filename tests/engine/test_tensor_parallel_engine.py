@@ -11,24 +11,20 @@ process-global), so the order of this file matters.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.parallel import WorkerError
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.model.config import ModelConfig
-from kvpool.model.llama import checkpoint_shapes
+from tests.model.hf_checkpoint import save_hf_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
@@ -50,31 +46,10 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-def save_checkpoint(directory: Path, config: ModelConfig) -> str:
-    """A HuggingFace directory of random weights, large enough that greedy has no ties."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": config.architecture, "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings, "eos_token_id": 2,
-    }))
-    generator = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, shape in checkpoint_shapes(config).items():
-        noise = torch.randn(shape, generator=generator)
-        tensors["model." + name] = noise.mul_(0.1).add_(1) if "norm" in name else noise * 0.2
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    return save_checkpoint(tmp_path_factory.mktemp("tp_engine") / "tiny",
-                           ModelConfig.preset("tiny"))
+    return str(save_hf_checkpoint(tmp_path_factory.mktemp("tp_engine") / "tiny",
+                                  ModelConfig.preset("tiny")))
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]],

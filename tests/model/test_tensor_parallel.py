@@ -9,7 +9,6 @@ q/k/v biases, and one KV head replicated on both ranks. One spawn per world size
 
 from __future__ import annotations
 
-import json
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +21,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from safetensors.torch import save_file
 
 from kvpool.attention.torch_ref import TorchAttentionBackend
 from kvpool.engine.model_runner import ModelRunner, SequenceChunk
@@ -30,10 +28,11 @@ from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.model import default_model_path
 from kvpool.model.config import ModelConfig
-from kvpool.model.llama import LlamaModel, checkpoint_shapes, checkpoint_slices
+from kvpool.model.llama import LlamaModel, checkpoint_slices
 from kvpool.model.loaders import load_model
 from kvpool.model.loaders.gguf_file import dequantize_tensor, read_slice
 from kvpool.model.parallel import TensorParallel, check_shapes, take_slice
+from tests.model.hf_checkpoint import save_hf_checkpoint
 
 Q = GGMLQuantizationType
 TINY = ModelConfig.preset("tiny")  # 4 query heads, 2 KV heads
@@ -49,29 +48,6 @@ STEPS = [
      SequenceChunk([11, 250, 8, 64, 2], 0, [2, 4])],
     [SequenceChunk([21], 6, [3, 1]), SequenceChunk([301, 77, 13], 5, [2, 4])],
 ]
-
-
-def save_hf_checkpoint(directory: Path, config: ModelConfig, seed: int = 0) -> Path:
-    """A HuggingFace directory (config.json + model.safetensors) of random weights, large
-    enough that the logits are far from zero."""
-    directory.mkdir(parents=True, exist_ok=True)
-    hf_config = {
-        "model_type": config.architecture, "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-    }
-    (directory / "config.json").write_text(json.dumps(hf_config))
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in checkpoint_shapes(config).items():
-        noise = torch.randn(shape, generator=generator)
-        tensors["model." + name] = noise.mul_(0.1).add_(1) if "norm" in name else noise * 0.2
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
 
 
 def step_logits(loaded, tp: TensorParallel) -> torch.Tensor | None:

@@ -7,51 +7,31 @@ it has no tokenizer, so prompts are token ids.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from openai import OpenAI
-from safetensors.torch import save_file
 
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.model.config import ModelConfig
-from kvpool.model.llama import checkpoint_shapes
 from kvpool.server.app import build_app
 from kvpool.server.background import BackgroundServer
 from kvpool.server.config import ServerConfig
+from tests.model.hf_checkpoint import save_hf_checkpoint
 
 MODEL = "tiny-tp"
 
 
-def save_checkpoint(directory: Path) -> str:
-    config = ModelConfig.preset("tiny")
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "max_position_embeddings": config.max_position_embeddings, "eos_token_id": 2,
-    }))
-    generator = torch.Generator().manual_seed(0)
-    tensors = {"model." + name: torch.randn(shape, generator=generator) * 0.2
-               for name, shape in checkpoint_shapes(config).items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return str(directory)
-
-
 @pytest.fixture
 def tp_server(tmp_path) -> Iterator[tuple[str, AsyncLLMEngine]]:
-    config = EngineConfig(model=save_checkpoint(tmp_path / "tiny"), load_format="safetensors",
+    checkpoint = save_hf_checkpoint(tmp_path / "tiny", ModelConfig.preset("tiny"))
+    config = EngineConfig(model=str(checkpoint), load_format="safetensors",
                           dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64,
                           distributed_timeout_seconds=10, enable_warmup=False)
     engine = AsyncLLMEngine(LLMEngine(config))

@@ -178,8 +178,8 @@
     return {cell, columns, width: columns * cell, height: Math.ceil(n / columns) * cell};
   }
 
-  function drawGrid(canvas, index, mask, maxHeight) {
-    const {cell, columns, width, height} = layout(canvas, index.n, maxHeight);
+  // A canvas `width` x `height` CSS pixels drawn at the screen's pixel ratio; its 2D context.
+  function sizedContext(canvas, width, height) {
     const ratio = window.devicePixelRatio || 1;
     canvas.width = width * ratio;
     canvas.height = height * ratio;
@@ -187,6 +187,12 @@
     canvas.style.height = height + "px";
     const ctx = canvas.getContext("2d");
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    return ctx;
+  }
+
+  function drawGrid(canvas, index, mask, maxHeight) {
+    const {cell, columns, width, height} = layout(canvas, index.n, maxHeight);
+    const ctx = sizedContext(canvas, width, height);
     ctx.fillStyle = CONFIG.background;  // the cells past the last id, and the gaps
     ctx.fillRect(0, 0, width, height);
     const gap = cell >= 6 ? 1 : 0;
@@ -258,13 +264,8 @@
   }
 
   function drawChart(canvas, points, fixedMax, format) {
-    const width = 220, height = 64, ratio = window.devicePixelRatio || 1;
-    canvas.width = width * ratio;
-    canvas.height = height * ratio;
-    canvas.style.width = width + "px";
-    canvas.style.height = height + "px";
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    const width = 220, height = 64;
+    const ctx = sizedContext(canvas, width, height);
     const values = points.filter((v) => v !== null);
     const top = fixedMax !== null ? fixedMax : Math.max(1, ...values.map((v) => v * 1.1));
     ctx.fillStyle = "#6b7280";
