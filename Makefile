@@ -7,9 +7,9 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup browser test lint demo bench vllm-venv clean
+.PHONY: setup browser redis test lint demo bench vllm-venv clean
 
-setup: $(STAMP) browser
+setup: $(STAMP) browser redis
 
 # torch is pinned to the CPU build that lies on this machine's disk before anything else
 # asks for "torch>=2.4" (which would otherwise pull a multi-GB CUDA build).
@@ -27,6 +27,12 @@ browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			chromium chromium-driver)
+
+# The shared KV tier's tests start their own redis-server on loopback (tests/redis_server.py):
+# Debian's package, the server a user runs for real.
+redis:
+	command -v redis-server >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 
 lint: setup
 	$(VENV)/bin/ruff check .

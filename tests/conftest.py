@@ -57,3 +57,14 @@ def tmpfs(tmp_path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for mount_point in mounted:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port, empty, killed at teardown
+    (`tests.redis_server.RedisServer`: `.url`, `.client()`, `.stop()`, `.start()`)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()

@@ -238,6 +238,30 @@ def _add_kv_tier_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_KV_DISK_CACHE_SIZE,
         help=f"bytes the disk tier may hold (default {DEFAULT_KV_DISK_CACHE_SIZE >> 30}GiB)",
     )
+    group.add_argument(
+        "--kv-shared-redis",
+        default=None,
+        metavar="URL",
+        help="share full prefix blocks with every replica naming the same Redis "
+        "(redis://host:port/db), below the host and disk tiers; its capacity is Redis's "
+        "maxmemory with maxmemory-policy allkeys-lru",
+    )
+    group.add_argument(
+        "--kv-shared-redis-timeout",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="a Redis call slower than this counts as Redis down: the engine goes on without "
+        "the shared tier until Redis answers again",
+    )
+    group.add_argument(
+        "--kv-events-config",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help='publish KV events, as vLLM does: \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
+    )
 
 
 def _add_kv_pool_args(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
 from kvpool.engine.generation_config import check_generation_config_source
+from kvpool.engine.kv_events_config import KVEventsConfig
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 from kvpool.memory.kv_pool import KV_POOL_MODES
 from kvpool.model.dtype import canonical_dtype_name
@@ -63,6 +64,14 @@ class EngineConfig:
 
     `kv_trace` names a file the engine writes its KV allocation events to, one JSON line each
     (`kvpool.engine.kv_trace`); its directory must exist. None: nothing is recorded.
+
+    Scale-out (docs/scale-out.md): `kv_shared_redis` ("redis://host:port/db") is a KV tier
+    shared by every replica that names the same Redis, below the host and disk tiers and above
+    recompute (`kvpool.memory.redis_tier`); a Redis call slower than `kv_shared_redis_timeout`
+    seconds counts as Redis being down, and the engine carries on without the tier until it
+    is back. `kv_events_config` (vLLM's option; a dict or its JSON text is accepted) publishes
+    the engine's block stored / removed / cleared events for a prefix-aware router
+    (`kvpool.engine.kv_events_config`).
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct; a path or a Hub id
@@ -94,6 +103,9 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     override_generation_config: dict[str, Any] | None = None  # merged over those defaults
     kv_trace: str | None = None  # file of KV allocation events (--kv-trace); None: none
+    kv_shared_redis: str | None = None  # redis://… URL of the shared KV tier; None: none
+    kv_shared_redis_timeout: float = 0.5  # seconds one Redis call may take before it fails
+    kv_events_config: KVEventsConfig | None = None  # KV event publishing (vLLM's option)
     tensor_parallel_size: int = 1  # ranks the model is split over (vLLM's name)
     distributed_timeout_seconds: float = 60.0  # a collective's longest wait for a peer
     tensor_parallel_overlap_chunks: int = 1  # row-parallel all-reduces in pieces, overlapped
@@ -127,6 +139,7 @@ class EngineConfig:
         self._check_kv_pool()
         self._check_kv_tiers()
         self._check_kv_trace()
+        self._check_scale_out()
         self._check_tensor_parallel()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -172,6 +185,21 @@ class EngineConfig:
         if self.kv_disk_cache is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_cache keeps prefix blocks: it needs enable_prefix_caching")
 
+    def _check_scale_out(self) -> None:
+        object.__setattr__(self, "kv_events_config",
+                           KVEventsConfig.from_value(self.kv_events_config))
+        if self.kv_shared_redis is None:
+            return
+        if not str(self.kv_shared_redis).startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("kv_shared_redis must be a redis://, rediss:// or unix:// URL, "
+                             f"got {self.kv_shared_redis!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_shared_redis shares prefix blocks: it needs "
+                             "enable_prefix_caching")
+        if not self.kv_shared_redis_timeout > 0:  # also refuses NaN
+            raise ValueError("kv_shared_redis_timeout must be > 0 seconds, got "
+                             f"{self.kv_shared_redis_timeout}")
+
     def _check_tensor_parallel(self) -> None:
         """Refuse, naming the option, what tp > 1 does not support yet (the model's shapes
         are checked when it is loaded: `kvpool.model.parallel.check_shapes`)."""
@@ -190,6 +218,7 @@ class EngineConfig:
         unsupported = {
             "swap_space": self.swap_space > 0,
             "kv_disk_cache": self.kv_disk_cache is not None,
+            "kv_shared_redis": self.kv_shared_redis is not None,
             "kv_pool='elastic'": self.kv_pool == "elastic",
             f"device={self.device!r}": self.device.split(":")[0] not in ("cpu", "cuda", "auto"),
         }

@@ -155,7 +155,7 @@ VLLM_ARGS: tuple[VLLMArg, ...] = (
     VLLMArg("speculative_config", (None,), "no speculative decoding",
             "kvpool decodes without a draft model; speculative_config must be None", str),
     VLLMArg("kv_transfer_config", (None,), "no KV transfer between engines",
-            "kvpool keeps its KV in this engine (its own tiers: swap_space, kv_disk_cache); "
+            "kvpool moves KV through its own tiers (swap_space, kv_disk_cache, kv_shared_redis); "
             "kv_transfer_config must be None", str),
     VLLMArg("enable_sleep_mode", (False,), "no sleep mode",
             "kvpool has no sleep mode; enable_sleep_mode must be False", bool),
