@@ -1,4 +1,5 @@
-"""Fixtures shared by the whole suite: the real SmolLM2 model, loaded once per session."""
+"""Fixtures shared by the whole suite: the real SmolLM2 model, loaded once per session, and
+the fast random model over its tokenizer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,26 @@ def smollm2():
     from kvpool.engine.setup import load_engine_model
 
     return load_engine_model(EngineConfig(dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def fast_model(smollm2):
+    """A two-layer random Llama with SmolLM2's vocabulary, EOS and tokenizer, as a
+    `LoadedModel`: it steps in milliseconds (for the server's and the router's tests)."""
+    import dataclasses
+
+    from kvpool.model.config import ModelConfig
+    from kvpool.model.loaders.auto import load_model
+    from kvpool.model.loaders.base import LoadedModel
+
+    config = dataclasses.replace(
+        ModelConfig.preset("tiny"),
+        vocab_size=smollm2.config.vocab_size,
+        eos_token_ids=smollm2.config.eos_token_ids,
+        bos_token_id=smollm2.config.bos_token_id,
+    )
+    dummy = load_model(config, load_format="dummy")
+    return LoadedModel(config, dummy.model, smollm2.tokenizer, dummy.load_seconds)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,9 @@ import torch
 from kvpool.model.config import ModelConfig
 from kvpool.model.flops import key_flops, token_flops
 
-PEAK_MATMUL_SIZE = 2048  # M = N = K of the peak measurement
+PEAK_MATMUL_SIZE = 2048  # M = N = K of the peak measurement, where the dtype is fast
+PEAK_PROBE_SIZE = 256  # the probe that tells how long a PEAK_MATMUL_SIZE call would take
+PEAK_CALL_BUDGET_S = 0.25  # the longest one timed call may take
 
 
 def workload_flops(config: ModelConfig, requests: Sequence[tuple[int, int]],
@@ -40,10 +42,24 @@ def workload_flops(config: ModelConfig, requests: Sequence[tuple[int, int]],
     return total
 
 
-def matmul_peak_flops(dtype: torch.dtype, repeats: int = 5) -> float:
-    """Best FLOP/s of a square `torch.mm` on the CPU in `dtype` over `repeats` timed calls."""
-    size = PEAK_MATMUL_SIZE
+def matmul_peak_flops(dtype: torch.dtype, repeats: int = 5,
+                      call_budget_s: float = PEAK_CALL_BUDGET_S) -> float:
+    """Best FLOP/s of a square `torch.mm` on the CPU in `dtype` over `repeats` timed calls.
+
+    The matrices are PEAK_MATMUL_SIZE square unless one such call would take longer than
+    `call_budget_s` (a dtype the CPU has no fast path for: bfloat16 without AVX-512 BF16 runs
+    ~50x slower than float32), judged from a small probe; then the size is cut so a call
+    stays within budget: the figure is as slow as the dtype, but the measurement is not."""
     generator = torch.Generator().manual_seed(0)
+    probe = PEAK_PROBE_SIZE
+    seconds = _best_mm_seconds(probe, dtype, generator, repeats=1)
+    scale = (call_budget_s / max(seconds, 1e-9)) ** (1 / 3)  # an mm costs size**3
+    size = max(probe, min(PEAK_MATMUL_SIZE, int(probe * scale) // 64 * 64))
+    return 2 * size**3 / _best_mm_seconds(size, dtype, generator, repeats)
+
+
+def _best_mm_seconds(size: int, dtype: torch.dtype, generator: torch.Generator,
+                     repeats: int) -> float:
     a = torch.randn(size, size, generator=generator).to(dtype)
     b = torch.randn(size, size, generator=generator).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
@@ -53,4 +69,4 @@ def matmul_peak_flops(dtype: torch.dtype, repeats: int = 5) -> float:
         start = time.perf_counter()
         torch.mm(a, b, out=out)
         best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return best

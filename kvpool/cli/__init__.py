@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "kvpool.cli.generate",
     "kvpool.cli.chat",
     "kvpool.cli.serve",
+    "kvpool.cli.router",
     "kvpool.cli.simulate",
     "kvpool.cli.bench",
     "kvpool.cli.inspect",

@@ -16,6 +16,7 @@ import argparse
 import math
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
+from kvpool.bench import scale_out  # light at import: httpx and the standard library
 
 # Constants only: kvpool.bench.multi_turn imports nothing heavy at module level.
 from kvpool.bench.multi_turn import DEFAULT_KV_CACHE_MEMORY, DEFAULT_SWAP_SPACE_GIB, TIERS
@@ -43,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         _register_blocks, _register_throughput, _register_multi_turn, _register_serve,
         _register_precision, _register_kv_capacity, _register_kv_granularity,
         _register_structured, _register_kv_trace, _register_snapshot, _register_tp,
+        scale_out.register,  # a bench that registers itself (its flags live beside it)
     ):
         register_bench(bench_subparsers)
 

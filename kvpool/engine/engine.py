@@ -16,8 +16,10 @@ final only, as each request asks). A step whose model or sampler raises is rolle
 
 KV moves between tiers (`kvpool.memory.kv_tiers`: spills, swaps, reloads from host or disk) by
 copies that scheduling queues and the step runs just before its model (`before_step`); the
-blocks a step published are written through to the disk tier after it (`after_step`).
-`close()` (also at garbage collection and exit) finishes the copies and the disk's writes.
+blocks a step published are written through to the disk tier after it (`after_step`), and,
+with `kv_events_config`, what it changed in the prefix caches goes out as one numbered batch
+of KV events (`kvpool.engine.kv_events`). `close()` (also at garbage collection and exit)
+finishes the copies and the disk's writes.
 
 KV memory (`KVMemory`) resizes (an elastic pool grows or migrates blocks and shrinks) only at
 the top of a step, before anything is scheduled: no slot mapping or block copy is in flight
@@ -37,6 +39,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine_stats import EngineStats, PhaseClock, swap_stats
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.grammar import GrammarCompiler
+from kvpool.engine.kv_event_publisher import KVEventLog, start_kv_events
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.kv_recorder import KVRecorder
 from kvpool.engine.kv_snapshot import take_kv_snapshot
@@ -50,8 +53,9 @@ from kvpool.engine.request_state import (
     sequence_generators,
 )
 from kvpool.engine.request_validation import validate_request
-from kvpool.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from kvpool.engine.sampler import Sampler, SamplerOutput
 from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.sampling_rows import sampling_rows
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request
 from kvpool.engine.setup import EngineParts, build_engine_parts, make_runner
@@ -106,11 +110,13 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.kv_rates = PoolRateWindow()  # the device pool's alloc/free rates, for snapshots
         self.kv_recorder: KVRecorder | None = None  # --kv-trace: after the warm-up, not in it
+        self.kv_events: KVEventLog | None = None  # kv_events_config: after the warm-up too
         self.reset_stats()
         self.warmup_seconds = warm_up(self) if config.enable_warmup else 0.0
         if config.kv_trace is not None:
             self.kv_recorder = KVRecorder.start(config.kv_trace, self.kv_memory, kv_manager)
             weakref.finalize(self, self.kv_recorder.close)
+        self.kv_events = start_kv_events(config.kv_events_config, self.kv_memory, self)
 
     def reset_stats(self) -> None:
         """Zero every counter and return KV memory to its start-up state; only while no
@@ -208,6 +214,8 @@ class LLMEngine:
         sampled = self._execute_and_sample(batch, clock)
         changed = self.scheduler.update(batch, sampled)
         self.kv_tiers.after_step()  # what this step published, written through to disk
+        if self.kv_events is not None:  # this step's KV events, numbered and published
+            self.kv_events.drain()
         pool = self.kv_memory.pool
         self.kv_rates.sample(pool.now, *pool.allocation_counters())
         clock.lap("sample")
@@ -228,7 +236,8 @@ class LLMEngine:
         try:
             logits = self.runner.execute(batch.chunks, batch.block_copies)
             model_seconds = clock.lap("model")
-            sampled = self.sampler(logits.sampling, self._sampling_rows(batch))
+            sampled = self.sampler(logits.sampling,
+                                   sampling_rows(batch, self.eos_token_ids))
             self.outputs.add_prompt_logprobs(batch.chunks, logits.prompt)
         except BaseException:
             self.scheduler.roll_back(batch)
@@ -238,22 +247,6 @@ class LLMEngine:
         self._num_steps += 1
         self._num_generated_tokens += len(sampled.token_ids)
         return sampled
-
-    def _sampling_rows(self, batch: SchedulerOutput) -> list[SamplingRow]:
-        """One row per logits row: each sampled sequence, or a sibling about to be forked."""
-        rows = []
-        for seq, index in batch.sampled_sequences():
-            params = seq.request.params
-            banned: tuple[int, ...] = ()
-            if len(seq.output_token_ids) < params.min_tokens:
-                eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-                banned = eos + tuple(params.stop_token_ids)
-            request = seq.request
-            rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids,
-                                    request.generators[index], banned,
-                                    request.matchers[index] if request.matchers else None,
-                                    request.bad_words_token_ids))
-        return rows
 
     def _make_outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -282,6 +275,8 @@ class LLMEngine:
         """Let KV memory grow or give memory back now. `step()` does this first; an idle
         server loop may call it between steps so that idle memory is still given back."""
         self.kv_memory.maybe_resize(time.monotonic(), self._live_block_tables())
+        if self.kv_events is not None:  # a shrink's evictions, published even when idle
+            self.kv_events.drain()
 
     def _live_block_tables(self) -> Iterator[BlockTable]:
         """Every block table that may hold blocks (lazy: read only if blocks must move)."""
@@ -323,13 +318,15 @@ class LLMEngine:
     def close(self) -> None:
         """Finish the KV tiers' copies and the disk tier's writes (idempotent; also run when
         the engine is garbage-collected and at exit); write out the KV trace, and stop it;
-        stop the tensor-parallel workers."""
+        stop the tensor-parallel workers; publish the last KV events and close their socket."""
         self._close_tiers()
         if self.kv_recorder is not None:
             self.kv_recorder.close()
             self.kv_recorder = None
         if self._close_workers is not None:
             self._close_workers()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def unhealthy_reason(self) -> str | None:

@@ -7,10 +7,12 @@ sequence owns while it waits (swap; `kvpool.engine.preemption` chooses). A swapp
 keeps its `num_computed_tokens`; re-admitting it retakes its leading blocks still cached on
 the device, copies the rest back, and it goes on where it stopped.
 
-A prefix lookup walks the tiers: the device's prefix cache, then the host tier's, then the
-disk's (`KVTiers.find_below`), block by block while the hash chain matches. Disk blocks are
-read and validated once the admission is known to fit; what is found below the device is
-copied into new device blocks before the step's model runs, and counted per tier.
+A prefix lookup walks the tiers: the device's prefix cache, then the host tier's, the disk's,
+then the shared tier in Redis (`KVTiers.find_below`), block by block while the hash chain
+matches. Disk and shared blocks are read and validated once the admission is known to fit (so
+a sequence that waits, re-planned every step, fetches no block's bytes); what is found below
+the device is copied into new device blocks before the step's model runs, and counted per tier
+(`kvpool.memory.kv_tiers.TIERS`).
 
 Admission is planned once and carried out with the same prefix match: `plan_admission` looks
 the waiting sequence's block hashes up in the prefix cache (no hashing: the sequence keeps its
@@ -42,8 +44,9 @@ from kvpool.engine.sequence import Sequence
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_memory import KVMemory
-from kvpool.memory.kv_tiers import TierMatch
+from kvpool.memory.kv_tiers import TIERS
 from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
+from kvpool.memory.tier_match import TierMatch
 
 if TYPE_CHECKING:
     from kvpool.engine.kv_recorder import KVRecorder
@@ -51,8 +54,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionPlan:
-    """How a waiting sequence enters: reuse `prefix` (device blocks) and `below` (host and
-    disk blocks, copied up), or copy back its own swapped-out blocks; then compute
+    """How a waiting sequence enters: reuse `prefix` (device blocks) and `below` (host, disk
+    and shared blocks, copied up), or copy back its own swapped-out blocks; then compute
     `num_new_tokens`."""
 
     prefix: PrefixMatch
@@ -73,8 +76,7 @@ class SwapCounters:
     num_recompute_tokens_avoided: int = 0
     # Prompt tokens served per tier, at each request's first admission (so they sum to the
     # requests' `num_cached_tokens`; a re-admission's hits are the pools' hit counters').
-    cached_tokens_by_tier: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("device", "host", "disk"), 0))
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
 class KVCacheManager:
@@ -104,7 +106,7 @@ class KVCacheManager:
         The prefix lookup stops one token short of the end so that at least one token is
         computed: the step needs its logits; for a request still owed prompt logprobs, it
         stops where they do (`_num_query_tokens`). The watermark only matters when others run.
-        Disk blocks are read (and validated) only once the plan is known to fit.
+        Disk and shared blocks are read (and validated) only once the plan is known to fit.
         """
         if seq.seq_id in self._swapped:
             return self._plan_swap_in(seq, token_budget, allow_partial, keep_watermark)
@@ -194,7 +196,7 @@ class KVCacheManager:
             recorder.swap_in(seq, block_ids[num_reused:])
             return
         if plan.num_cached_tokens:
-            below = {tier: served.get(tier, 0) for tier in ("host", "disk")}
+            below = {tier: served.get(tier, 0) for tier in TIERS[1:]}
             recorder.hit(seq, block_ids[:num_reused], plan.num_cached_tokens,
                          below if any(below.values()) else None)
         if len(block_ids) > num_reused:

@@ -36,16 +36,22 @@ def take_kv_snapshot(engine: LLMEngine) -> KVSnapshot:
     if tiers.host is not None:
         host_tables = [seq.host_block_ids for seq in sequences]
         pools["host"] = take_pool_view(tiers.host.pool, host_tables)
-    disk = None
+    disk = shared = None
     if tiers.disk is not None:
         disk_stats = tiers.disk.stats()
-        disk = {"num_blocks": disk_stats.num_blocks, "num_bytes": disk_stats.num_bytes}
+        disk = {"num_blocks": disk_stats.num_files, "num_bytes": disk_stats.num_bytes}
+    if tiers.shared is not None:
+        shared_stats = tiers.shared.stats()
+        shared = {"is_up": int(shared_stats.is_up),
+                  "num_stored_blocks": shared_stats.num_stored_blocks,
+                  "num_loaded_blocks": shared_stats.num_loaded_blocks}
     stats = pool.stats()
     return KVSnapshot(
         time=time.time(), step=engine.stats().num_steps, pools=pools,
         sequences=tuple(sequences), stats=stats,
         derived=_derived(pools["device"], stats, engine.kv_rates.rates()),
-        disk=disk, recent_evictions=tuple(short_hash(h) for h in pool.recent_evictions),
+        disk=disk, shared=shared,
+        recent_evictions=tuple(short_hash(h) for h in pool.recent_evictions),
     )
 
 

@@ -20,8 +20,8 @@ counting from 0 after the warm-up), "t" seconds since the header's time. The oth
              blocks (`kvpool.memory.snapshot_runs.short_hash`, chained: equal leading hashes
              mean an equal prefix)
     hit      r, q (completion index), b device blocks taken from the prefix cache, c prompt
-             tokens served (all tiers), and "k": {"host": tokens, "disk": tokens} when a tier
-             below served some
+             tokens served (all tiers), and "k": {"host": tokens, "disk": tokens, "shared":
+             tokens} when a tier below served some
     alloc    r, q, b blocks newly taken by the sequence's table
     free     r, q, b blocks its table gave back (reference drops; shared blocks stay in use)
     evict    b cached blocks the device evicted to make room, or an elastic shrink dropped

@@ -51,6 +51,7 @@ from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
+from kvpool.memory.redis_tier import RedisKVTier
 from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import AUTO, resolve_dtype
 from kvpool.model.loaders.auto import load_model, make_loader
@@ -161,6 +162,7 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     layout = KVLayout.for_model(model_config, config.block_size, dtype, config.kv_cache_dtype)
     layout = dataclasses.replace(layout,
                                  num_kv_heads=tp.num_local_kv_heads(model_config.num_kv_heads))
+    namespace = kv_namespace(config, layout, dtype)
     kv_memory = KVMemory(
         layout,
         kv_num_blocks(config, layout, device),
@@ -169,7 +171,8 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         watermark=config.watermark,
         elastic=_elastic_config(config),
         host_num_bytes=int(config.swap_space * 2**30),
-        disk=_disk_tier(config, layout, dtype),
+        disk=_disk_tier(config, layout, namespace),
+        shared=_shared_tier(config, layout, namespace),
     )
     return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
                        max_model_len, kv_memory, _sampling_defaults(config, loaded))
@@ -191,21 +194,36 @@ def _sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> dict[str, A
     return defaults
 
 
-def _disk_tier(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> DiskKVTier | None:
-    """The disk tier `config.kv_disk_cache` names, in a namespace of this model and layout:
-    KV computed by other weights, dtypes or shapes is never found."""
-    if config.kv_disk_cache is None:
-        return None
+def kv_namespace(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> str:
+    """What KV computed by this engine depends on: the model (a path resolved to its real
+    path, a Hub id to its snapshot), its load format and weights (a dummy load's seed), dtype,
+    and the KV layout (block size, KV dtype, shape). The disk and shared tiers keep blocks
+    under it, so KV computed by other weights, dtypes or shapes is never found."""
     model = config.model or "bundled:SmolLM2-135M-Instruct"
     if config.model is not None and os.path.exists(resolve_model_path(model)):
         model = os.path.realpath(resolve_model_path(model))  # a Hub id: its snapshot
-    namespace = "|".join([
+    return "|".join([
         f"model={model}", f"load_format={config.load_format}", f"dtype={dtype}",
         f"seed={config.seed}" if config.load_format == "dummy" else "weights",
         f"block_size={layout.block_size}", f"kv={layout.dtype}",
         f"shape={layout.block_shape}",
     ])
+
+
+def _disk_tier(config: EngineConfig, layout: KVLayout, namespace: str) -> DiskKVTier | None:
+    """The disk tier `config.kv_disk_cache` names, in this engine's namespace."""
+    if config.kv_disk_cache is None:
+        return None
     return DiskKVTier(config.kv_disk_cache, config.kv_disk_cache_size, layout, namespace)
+
+
+def _shared_tier(config: EngineConfig, layout: KVLayout, namespace: str) -> RedisKVTier | None:
+    """The shared tier in the Redis `config.kv_shared_redis` names, in this engine's
+    namespace: replicas of the same model and layout share its blocks."""
+    if config.kv_shared_redis is None:
+        return None
+    return RedisKVTier(config.kv_shared_redis, layout, namespace,
+                       timeout=config.kv_shared_redis_timeout)
 
 
 def _model_dtype(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> torch.dtype:

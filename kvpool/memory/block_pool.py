@@ -34,6 +34,11 @@ of every block published and of every cached block evicted to make room for an a
 while the block's KV is still intact (nothing writes a block between its eviction and the next
 step's copies). The default, `NO_TIER_HOOKS`, does nothing. An elastic shrink's evictions and
 relocations are not reported: they move KV at once, outside a step.
+
+KV events (`kvpool.engine.kv_events`) hear the prefix cache through `event_log`: every hash
+that enters it (`publish`) or leaves it (an eviction here or by an elastic shrink, a reset). A
+relocation keeps its hash and is not an event. None, the default, costs one attribute test
+per published or evicted block.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
@@ -48,9 +54,11 @@ from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache, PrefixMatch
 from kvpool.memory.tier_hooks import NO_TIER_HOOKS, TierHooks
 
+if TYPE_CHECKING:
+    from kvpool.engine.kv_events import PoolEvents
+
 NULL_BLOCK_ID = 0
 RECENT_EVICTIONS = 4096  # evicted hashes the pool remembers, to tell "evicted" from "never seen"
-
 
 
 class BlockPool:
@@ -86,6 +94,7 @@ class BlockPool:
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
         self._num_filled_slots_in_use = 0
         self.tier_hooks: TierHooks = NO_TIER_HOOKS
+        self.event_log: PoolEvents | None = None  # KV events, when they are on
         # The pool's clock (the engine sets it to time.monotonic() before each step) and the
         # clock reading when each block last changed hands: allocated, revived or released.
         self.now = 0.0
@@ -181,6 +190,8 @@ class BlockPool:
             self._num_evictions += 1
             if entry is not None:
                 self.recent_evictions.append(entry.block_hash)
+                if self.event_log is not None:
+                    self.event_log.removed(entry.block_hash)
             if self.on_evict is not None:
                 self.on_evict(block_id)
             if report_eviction and entry is not None:
@@ -261,6 +272,8 @@ class BlockPool:
         out lowest id first again, counters zero (the engine calls it after its warm-up)."""
         if self.num_used_blocks:
             raise InvalidBlockError(f"cannot reset a pool with {self.num_used_blocks} used blocks")
+        if self.event_log is not None:
+            self.event_log.cleared()
         for block_id in self._evictable_ids:
             self.prefix_cache.remove(block_id)
             self._num_filled_slots[block_id] = 0
@@ -309,8 +322,10 @@ class BlockPool:
         self._num_hits_tokens += match.num_cached_tokens
         return list(match.block_ids)
 
-    def publish(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
-        """Offer a full, computed, used block to the prefix cache.
+    def publish(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int],
+                parent_hash: BlockHash | None = None) -> bool:
+        """Offer a full, computed, used block (chained on `parent_hash`, None for a first
+        block or where unknown) to the prefix cache.
 
         Returns False when the cache keeps another block for this hash (two sequences computed
         the same prefix at once) or caching is off; the block then stays unhashed.
@@ -320,6 +335,8 @@ class BlockPool:
         if not self.prefix_cache.insert(block_id, block_hash, token_ids):
             return False
         self.tier_hooks.published(block_id, block_hash, token_ids)
+        if self.event_log is not None:
+            self.event_log.stored(block_hash, parent_hash, token_ids)
         return True
 
     # -------------------------------------------------------------- reporting
@@ -350,28 +367,9 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Assert every invariant in the module docstring (O(capacity_blocks); for tests)."""
-        fresh = set(self._fresh_free_ids)
-        evictable = set(self._evictable_ids)
-        assert len(fresh) == len(self._fresh_free_ids), "duplicate id on the free stack"
-        assert not fresh & evictable, "a block is both free and cached"
-        assert sum(self._is_online) == self.num_blocks, "the online count is off"
-        assert not self._is_online[NULL_BLOCK_ID], "the null block is online"
-        filled_in_use = 0
-        for block_id, ref_count in enumerate(self._ref_counts):
-            assert ref_count >= 0
-            is_hashed = self.prefix_cache.is_cached(block_id)
-            if not self._is_online[block_id]:
-                assert ref_count == 0 and not is_hashed, f"offline block {block_id} is in use"
-                assert block_id not in fresh and block_id not in evictable
-                assert self._num_filled_slots[block_id] == 0
-            elif ref_count > 0:
-                assert block_id not in fresh and block_id not in evictable
-                filled_in_use += self._num_filled_slots[block_id]
-            else:
-                assert (block_id in evictable) == is_hashed
-                assert (block_id in fresh) != is_hashed
-        assert filled_in_use == self._num_filled_slots_in_use
-        assert self._num_allocations - self._num_frees == self.num_used_blocks, "counters drift"
+        from kvpool.memory.block_pool_checks import check_block_pool  # test-only code
+
+        check_block_pool(self)
 
     def _check_id(self, block_id: int) -> None:
         """InvalidBlockError unless `block_id` is an online id (a plain int: bools, floats and

@@ -129,13 +129,13 @@ class BlockTable:
         num_full = min(num_computed_tokens, self.num_tokens) // size
         for index in range(self.num_hashed_blocks, num_full):
             tokens = self.token_ids[index * size : (index + 1) * size]
+            parent = self.block_hashes[-1] if self.block_hashes else None
             if block_hashes is not None:
                 block_hash = block_hashes[index]
             else:
-                parent = self.block_hashes[-1] if self.block_hashes else None
                 block_hash = hash_block(parent, tokens, self.salt)
             self.block_hashes.append(block_hash)
-            self.pool.publish(self.block_ids[index], block_hash, tokens)
+            self.pool.publish(self.block_ids[index], block_hash, tokens, parent)
 
     def prefix_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Chained hashes of the full blocks of `token_ids` under this table's salt."""

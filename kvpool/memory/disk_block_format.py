@@ -1,27 +1,33 @@
-"""The disk tier's file format: one full KV block per safetensors file, and how it is named.
+"""The stored block format: one full KV block as one safetensors blob, validated on read. It is
+both the disk tier's file (`kvpool.memory.disk_tier`) and the shared tier's Redis value
+(`kvpool.memory.redis_tier`): one format, one set of checks.
 
-Where a block lives, under the tier's directory (`namespace_dir_name`, `block_file_parts`):
+Where a block lives on disk, under the disk tier's directory (`namespace_dir_name`,
+`block_file_parts`); the shared tier puts `namespace_dir_name` in its Redis keys the same way:
 
     <sha256(namespace)[:16]>/<hash hex[:2]>/<hash hex>.safetensors
 
 The hash is the block's salted chained hash (`kvpool.memory.prefix_cache`; the tenant salt is
-inside the chain, so tenants never share a file). The namespace names the model and KV layout,
+inside the chain, so tenants never share a block). The namespace names the model and KV layout,
 so two models never meet. A write in progress is `<hash hex>.<pid>.tmp` next to its final name
 (`temp_path`); a name this format would not write (`hash_from_name` is None) is not a block.
 
-What a file holds (`encode_block`): `kv` (`layout.block_shape`, the layout's dtype), `scales`
+What a blob holds (`encode_block`): `kv` (`layout.block_shape`, the layout's dtype), `scales`
 for int8 / fp8 layouts (`layout.scale_block_shape`, float32), and metadata: `format`
-(FORMAT_TAG), `namespace`, `block_hash` (hex), `token_ids` (JSON) and `checksum`.
+(FORMAT_TAG, the format version), `namespace`, `block_hash` (hex), `token_ids` (JSON) and
+`checksum`.
 
-`decode_block` returns a `DiskBlock` only if all of the file is what was asked for, and raises
-(`RejectedFile`, or whatever the parsers raise on junk) otherwise. Each check has its reason:
-- the header length fits the file: a file cut short in its header (torn write, power cut;
-  writes are not fsynced) is caught before the JSON parser reads past its end; one cut in its
-  tensors fails safetensors' own size check;
-- `format` is FORMAT_TAG: a file of another format version is never misread;
-- `namespace` is the query's: a file copied from another model's directory is not served;
-- `block_hash` is the name's: a valid file under another block's name is not served;
-- the tensors' names, shapes and dtypes are the layout's: a file of another KV layout (dtype,
+`decode_block` returns a `StoredBlock` only if all of the blob is what was asked for, and
+raises (`RejectedBlock`, or whatever the parsers raise on junk) otherwise. Each check has its
+reason:
+- the header length fits the blob: a blob cut short in its header (torn write, power cut;
+  writes are not fsynced; a truncated value) is caught before the JSON parser reads past its
+  end; one cut in its tensors fails safetensors' own size check;
+- `format` is FORMAT_TAG: a blob of another format version is never misread;
+- `namespace` is the query's: a file copied from another model's directory (or a value set
+  under another model's key) is not served;
+- `block_hash` is the name's (the key's): a valid blob under another block's name is not served;
+- the tensors' names, shapes and dtypes are the layout's: a blob of another KV layout (dtype,
   head dim, ...) never reaches the KV cache;
 - `checksum` (BLAKE2b over the four fields above and the tensors' raw bytes) matches:
   safetensors checks no payload, so a flipped bit anywhere would otherwise be served;
@@ -53,20 +59,21 @@ _CHECKED_FIELDS = ("format", "namespace", "block_hash", "token_ids")  # in check
 
 
 @dataclass(frozen=True, slots=True)
-class DiskBlock:
-    """A block read back from disk, validated; the caller owns both tensors."""
+class StoredBlock:
+    """A block read back from disk or Redis, validated; the caller owns both tensors."""
 
     kv: torch.Tensor  # layout.block_shape, layout.torch_dtype, CPU, contiguous
     scales: torch.Tensor | None  # layout.scale_block_shape float32 for int8/fp8 layouts, else None
 
 
-class RejectedFile(ValueError):
-    """The file is not a block this tier wrote for this query."""
+class RejectedBlock(ValueError):
+    """The blob is not the block asked for (module docstring)."""
 
 
 # ---------------------------------------------------------------- names
 def namespace_dir_name(namespace: str) -> str:
-    """The directory, below the tier's root, that holds one namespace's blocks."""
+    """A namespace's short name: the disk tier's directory for it, below the tier's root, and
+    the middle of the shared tier's keys."""
     return hashlib.sha256(namespace.encode()).hexdigest()[:16]
 
 
@@ -135,7 +142,7 @@ def _checksum(fields: Sequence[str], tensors: Sequence[torch.Tensor]) -> str:
 
 def encode_block(namespace: str, block_hash: BlockHash, token_ids: list[int],
                  kv: torch.Tensor, scales: torch.Tensor | None) -> bytes:
-    """The bytes of one block's file (the tensors are copied to the CPU if they are not)."""
+    """The bytes of one stored block (the tensors are copied to the CPU if they are not)."""
     tensors = {"kv": kv.detach().cpu().contiguous()}
     if scales is not None:
         tensors["scales"] = scales.detach().cpu().contiguous()
@@ -146,44 +153,44 @@ def encode_block(namespace: str, block_hash: BlockHash, token_ids: list[int],
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
-    """A safetensors file's `__metadata__`: after an 8-byte little-endian length, JSON."""
+    """A safetensors blob's `__metadata__`: after an 8-byte little-endian length, JSON."""
     header_len = int.from_bytes(data[:8], "little")
     if len(data) < 8 or header_len > len(data) - 8:
-        raise RejectedFile(f"truncated: {len(data)} bytes, header of {header_len}")
+        raise RejectedBlock(f"truncated: {len(data)} bytes, header of {header_len}")
     header = json.loads(data[8 : 8 + header_len])
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict):
-        raise RejectedFile("no metadata")
+        raise RejectedBlock("no metadata")
     return metadata
 
 
 def _check_tensors(tensors: dict[str, torch.Tensor], layout: KVLayout) -> list[str]:
     """The tensor names the layout asks for, in checksum order, if `tensors` has exactly those
-    with the layout's shapes and dtypes; else RejectedFile."""
+    with the layout's shapes and dtypes; else RejectedBlock."""
     specs = {"kv": (layout.block_shape, layout.torch_dtype)}
     if layout.is_quantized:
         specs["scales"] = (layout.scale_block_shape, torch.float32)
     found = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in tensors.items()}
     if found != specs:
-        raise RejectedFile(f"tensors {found} do not fit the layout's {specs}")
+        raise RejectedBlock(f"tensors {found} do not fit the layout's {specs}")
     return list(specs)
 
 
 def decode_block(data: bytes, layout: KVLayout, namespace: str, block_hash: BlockHash,
-                 token_ids: list[int]) -> DiskBlock:
-    """The block in `data` if it is exactly what was asked for; else RejectedFile (or
+                 token_ids: list[int]) -> StoredBlock:
+    """The block in `data` if it is exactly what was asked for; else RejectedBlock (or
     whatever a parser raises). The checks, and why each exists, are in the module docstring."""
     metadata = _read_metadata(data)
     expected = {"format": FORMAT_TAG, "namespace": namespace, "block_hash": block_hash.hex()}
     for key, value in expected.items():
         if metadata.get(key) != value:
-            raise RejectedFile(f"{key} is {metadata.get(key)!r}, not {value!r}")
+            raise RejectedBlock(f"{key} is {metadata.get(key)!r}, not {value!r}")
     tensors = load_safetensors(data)
     names = _check_tensors(tensors, layout)
     fields = [metadata.get(key) for key in _CHECKED_FIELDS]
     if not all(isinstance(field, str) for field in fields) or (
             metadata.get("checksum") != _checksum(fields, [tensors[name] for name in names])):
-        raise RejectedFile("checksum mismatch")
+        raise RejectedBlock("checksum mismatch")
     if json.loads(metadata["token_ids"]) != token_ids:
-        raise RejectedFile("other token ids")
-    return DiskBlock(tensors["kv"], tensors.get("scales"))
+        raise RejectedBlock("other token ids")
+    return StoredBlock(tensors["kv"], tensors.get("scales"))

@@ -47,12 +47,12 @@ from typing import Protocol
 import torch
 
 from kvpool.memory import disk_block_format as block_format
-from kvpool.memory.disk_block_format import FORMAT_TAG, SUFFIX, TEMP_SUFFIX, DiskBlock
+from kvpool.memory.disk_block_format import FORMAT_TAG, SUFFIX, TEMP_SUFFIX, StoredBlock
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.prefix_cache import BlockHash
 
-__all__ = ["FORMAT_TAG", "SUFFIX", "TEMP_SUFFIX", "DiskBlock", "DiskKVTier", "DiskTierStats",
-           "ReadyEvent"]
+__all__ = ["FORMAT_TAG", "SUFFIX", "TEMP_SUFFIX", "DiskKVTier", "DiskTierStats", "ReadyEvent",
+           "StoredBlock"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class DiskKVTier:
         with self._lock:
             return self._is_enabled and block_hash in self._index
 
-    def load(self, block_hash: BlockHash, token_ids: Sequence[int]) -> DiskBlock | None:
+    def load(self, block_hash: BlockHash, token_ids: Sequence[int]) -> StoredBlock | None:
         """The block stored under this hash for exactly these tokens, or None. A file that fails
         validation is deleted and counted (`num_rejected_files`); this never raises."""
         tokens = [int(token_id) for token_id in token_ids]

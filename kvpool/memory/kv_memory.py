@@ -7,8 +7,8 @@
                   and for int8 / fp8 its scale pool beside it (same block ids)
       pool        BlockPool (static) or ResizableBlockPool (elastic) of block ids
       sizing      StaticKVPool (never resizes) or ElasticKVPool (segments grow and shrink)
-      tiers       KVTiers: the host and disk tiers below the pool, and the copies between
-                  them (`kvpool.memory.kv_tiers`; with neither tier, nothing ever moves)
+      tiers       KVTiers: the host, disk and shared (Redis) tiers below the pool, and the
+                  copies between them (`kvpool.memory.kv_tiers`; with no tier, nothing moves)
 
 Everything above it (the KV cache manager, the engine, warm-up, the async engine's snapshots)
 reaches KV memory through this object only: its queries (`max_num_blocks`, `can_ever_fit`),
@@ -36,6 +36,7 @@ from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
 from kvpool.memory.kv_tiers import KVTiers
+from kvpool.memory.redis_tier import RedisKVTier
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
 
 
@@ -53,11 +54,13 @@ class KVMemory:
         elastic: ElasticPoolConfig | None = None,
         host_num_bytes: int = 0,
         disk: DiskKVTier | None = None,
+        shared: RedisKVTier | None = None,
     ) -> None:
         """A static pool, or an elastic one when `elastic` is given; `watermark` is the
         fraction of the largest pool that admission keeps free (and, for an elastic pool, its
         low watermark: it grows when fewer blocks are allocatable). `host_num_bytes` of host
-        memory make a host tier (page-locked on CUDA); `disk` is a disk tier."""
+        memory make a host tier (page-locked on CUDA); `disk` is a disk tier, `shared` the shared
+        tier (Redis)."""
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
@@ -79,7 +82,7 @@ class KVMemory:
             self.sizing = ElasticKVPool(self.pool, self.kv_cache, self.arena, elastic)
         host = HostKVTier.for_budget(layout, host_num_bytes,
                                      pin_memory=torch.device(device).type == "cuda")
-        self.tiers = KVTiers(self.pool, self.kv_cache, host, disk)
+        self.tiers = KVTiers(self.pool, self.kv_cache, host, disk, shared)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -107,7 +110,7 @@ class KVMemory:
 
     def reset(self) -> None:
         """With no block used: back to the start-up state, every counter zero (the disk tier
-        keeps its files)."""
+        keeps its files, Redis its values)."""
         self.tiers.reset()
         self.sizing.reset()
 

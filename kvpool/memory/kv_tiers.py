@@ -1,21 +1,25 @@
-"""The KV tiers below the device pool: the host tier, the disk tier, and what moves between.
+"""The KV tiers below the device pool: the host tier, the disk tier, the shared tier (Redis),
+and what moves between them.
 
-    device pool ──evict──▶ host tier ──evict──▶ disk tier      (spill: cached prefix blocks)
+    device pool ──evict──▶ host tier ──evict──▶ disk tier        (spill: cached prefix blocks)
         ▲   │                  │                    ▲
-        │   └──publish─────────┼──write-through─────┘          (full blocks, after the step)
-        └──────reload──────────┴────────────────────┘          (a prefix hit below the device)
-    device pool ◀──swap-in── host tier ◀──swap-out── device    (a preempted sequence's blocks)
+        │   ├──publish─────────┼──write-through─────┘            (full blocks, after the step)
+        │   └──publish─────────┼──write-through─────▶ shared tier (Redis: every replica's)
+        └──────reload──────────┴── from host, disk or shared     (a prefix hit below the device)
+    device pool ◀──swap-in── host tier ◀──swap-out── device      (a preempted sequence's blocks)
 
 - Spill: a cached block the device evicts (`evicted`, a `TierHooks` call) is copied to a host
   block that joins the host's prefix cache under the same hash; a block the host evicts in turn
   goes to disk unless the disk already has it.
-- Write-through: every block the device publishes is written to disk after the step that
-  computed it (`after_step`), by the disk tier's writer thread, so a restart finds it; at a
-  clean shutdown (`close`) spilled host blocks the disk lacks follow.
+- Write-through: every block the device publishes is written to disk and to the shared tier
+  after the step that computed it (`after_step`: one host snapshot of the blocks either lacks,
+  handed to each tier's writer thread), so a restart or another replica finds it; a block the
+  shared tier knows to be in Redis (reloaded from there, say) is not written back. At a clean
+  shutdown (`close`) spilled host blocks the disk lacks follow.
 - Reload: a prefix lookup that ends on the device walks on (`find_below`): host, then disk,
-  block by block, while the hash chain matches; disk files are read and validated
-  (`validate`) before the hit is counted; then `reload` queues the copies into new device
-  blocks.
+  then shared, block by block, while the hash chain matches (`kvpool.memory.tier_match`); disk
+  and shared blocks are read and validated (`validate`) once the admission is known to fit;
+  then `reload` queues the copies into new device blocks.
 - Swap: `swap_out` copies a sequence's blocks to host blocks it owns; `swap_in` copies them
   back into new device blocks and frees them.
 
@@ -23,35 +27,25 @@ Every key is the salted chained hash (`kvpool.memory.prefix_cache`), so a tenant
 found only under its own salt, in every tier. Copies are queued (`kvpool.memory.kv_transfer`)
 and run by `before_step`, before the step's model.
 
-Invariants (`check_invariants`): the host tier's and disk tier's own; the host blocks held
+Invariants (`check_invariants`): the host, disk and shared tiers' own; the host blocks held
 for copies are exactly those the transfer queue will release.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.disk_tier import DiskBlock, DiskKVTier, DiskTierStats
+from kvpool.memory.disk_tier import DiskKVTier, DiskTierStats
 from kvpool.memory.host_tier import HostKVTier, HostTierStats
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_transfer import KVTransfers
 from kvpool.memory.prefix_cache import BlockHash, CachedBlock
+from kvpool.memory.redis_tier import RedisKVTier, SharedTierStats
+from kvpool.memory.tier_match import LoadedBlock, TierLookup, TierMatch
 
-TIERS = ("device", "host", "disk")
-
-
-@dataclass(slots=True)
-class TierMatch:
-    """Blocks of a prefix found below the device, in order: a host block id, or the hash of a
-    disk block (a `DiskBlock` once `validate` read it)."""
-
-    sources: list[int | BlockHash | DiskBlock] = field(default_factory=list)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.sources)
+TIERS = ("device", "host", "disk", "shared")  # everywhere: counters, metrics' source label
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +55,7 @@ class KVTierStats:
 
     host: HostTierStats | None
     disk: DiskTierStats | None
+    shared: SharedTierStats | None
     num_spilled_blocks: int  # device evictions copied to the host tier
     num_dropped_spills: int  # device evictions the host had no room for
     num_reloaded_blocks: dict[str, int]  # prefix blocks copied up, by source tier
@@ -71,16 +66,19 @@ class KVTiers:
     """Spill, write-through, reload and swap between a device pool and the tiers below it."""
 
     def __init__(self, device_pool: BlockPool, device_cache: KVCache,
-                 host: HostKVTier | None = None, disk: DiskKVTier | None = None) -> None:
+                 host: HostKVTier | None = None, disk: DiskKVTier | None = None,
+                 shared: RedisKVTier | None = None) -> None:
         self.device_pool = device_pool
         self.host = host
         self.disk = disk
+        self.shared = shared
+        self._lookup = TierLookup(device_pool.block_size, host, disk, shared)
         self.bytes_per_block = device_pool.layout.bytes_per_block
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
                                      host.pool.free if host else _nothing_to_release)
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
         self.on_spill: Callable[[int], None] | None = None  # told of each spill (a recorder)
-        if host is not None or disk is not None:
+        if host is not None or disk is not None or shared is not None:
             device_pool.tier_hooks = self
         if host is not None and disk is not None:
             host.pool.tier_hooks = _HostToDisk(host, disk)
@@ -97,7 +95,7 @@ class KVTiers:
 
     # ------------------------------------------------------- device pool hooks
     def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        if self.disk is not None:
+        if self.disk is not None or self.shared is not None:
             self._to_write.append((block_id, block_hash, tuple(token_ids)))
 
     def evicted(self, block_id: int, entry: CachedBlock) -> None:
@@ -124,36 +122,15 @@ class KVTiers:
     # ---------------------------------------------------------------- reload
     def find_below(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
                    first_block: int, num_blocks: int) -> TierMatch:
-        """Blocks `first_block .. num_blocks - 1` of a prefix found in the host tier, then on
-        disk, while the chain holds; an index lookup (no I/O, nothing taken)."""
-        match = TierMatch()
-        size = self.device_pool.block_size
-        host_cache = self.host.pool.prefix_cache if self.host else None
-        for index in range(first_block, num_blocks):
-            block_hash = block_hashes[index]
-            host_id = None
-            if host_cache is not None:
-                host_id = host_cache.lookup(block_hash, token_ids[index * size:(index + 1) * size])
-            if host_id is not None:
-                match.sources.append(host_id)
-            elif self.disk is not None and self.disk.contains(block_hash):
-                match.sources.append(block_hash)
-            else:
-                break
-        return match
+        """Blocks `first_block .. num_blocks - 1` of a prefix found in the host tier, on disk,
+        then in the shared tier, while the chain holds; nothing read, nothing taken
+        (`TierLookup.find`: at most one round trip to Redis)."""
+        return self._lookup.find(block_hashes, token_ids, first_block, num_blocks)
 
     def validate(self, match: TierMatch, token_ids: Sequence[int], first_block: int) -> None:
-        """Read the match's disk blocks; the match ends before the first that fails."""
-        size = self.device_pool.block_size
-        for offset, source in enumerate(match.sources):
-            if not isinstance(source, bytes):
-                continue
-            index = first_block + offset
-            block = self.disk.load(source, token_ids[index * size:(index + 1) * size])
-            if block is None:
-                del match.sources[offset:]
-                return
-            match.sources[offset] = block
+        """Read the match's disk and shared blocks; the match ends before the first that
+        fails (`TierLookup.validate`: one MGET for the shared ones)."""
+        self._lookup.validate(match, token_ids, first_block)
 
     def hold(self, match: TierMatch) -> None:
         """Take a reference on the match's host blocks, so that nothing evicts them while the
@@ -167,9 +144,9 @@ class KVTiers:
         the hold passes to the queue); returns the blocks per source tier."""
         counts = dict.fromkeys(TIERS[1:], 0)
         for source, device_id in zip(match.sources, device_ids, strict=True):
-            if isinstance(source, DiskBlock):
-                self.transfers.disk_to_device(source.kv, source.scales, device_id)
-                counts["disk"] += 1
+            if isinstance(source, LoadedBlock):
+                self.transfers.disk_to_device(source.block.kv, source.block.scales, device_id)
+                counts[source.tier] += 1
             else:
                 self.transfers.host_to_device([source], [device_id])
                 counts["host"] += 1
@@ -203,26 +180,35 @@ class KVTiers:
         self.transfers.run(written_block_ids)
 
     def after_step(self) -> None:
-        """Write the blocks the step published through to disk (off the critical path: the
-        disk tier's writer thread does the I/O)."""
+        """Write the blocks the step published through to disk and the shared tier (off the
+        critical path: each tier's writer thread does the I/O; one snapshot serves both)."""
         if not self._to_write:
             return
         pending, self._to_write = self._to_write, []
-        pending = [item for item in pending if not self.disk.contains(item[1])]
-        if not pending or not self.disk.stats().is_enabled:
+        disk, shared = self.disk, self.shared
+        to_disk = set()
+        if disk is not None and disk.stats().is_enabled:
+            to_disk = {item[1] for item in pending if not disk.contains(item[1])}
+        to_shared = shared.wanted([item[1] for item in pending]) if shared is not None else set()
+        pending = [item for item in pending if item[1] in to_disk or item[1] in to_shared]
+        if not pending:
             return
         snapshot = self.transfers.snapshot([block_id for block_id, _, _ in pending])
         for row, (_, block_hash, token_ids) in enumerate(pending):
             scales = None if snapshot.scales is None else snapshot.scales[row]
-            self.disk.store(block_hash, token_ids, snapshot.kv[row], scales, snapshot.ready)
+            for tier, wanted in ((disk, to_disk), (shared, to_shared)):
+                if block_hash in wanted:
+                    tier.store(block_hash, token_ids, snapshot.kv[row], scales, snapshot.ready)
 
     def close(self) -> None:
         """Clean shutdown: finish every copy, write spilled host blocks the disk lacks, wait
-        for the disk's writes."""
+        for the disk's writes and (a bounded wait) the shared tier's."""
         self.transfers.synchronize()
+        self.after_step()
+        if self.shared is not None:
+            self.shared.close()
         if self.disk is None:
             return
-        self.after_step()
         if self.host is not None:
             for host_id in self.host.pool.evictable_block_ids():
                 _write_host_block(self.host, host_id, self.disk)
@@ -242,6 +228,7 @@ class KVTiers:
         return KVTierStats(
             host=self.host.stats() if self.host else None,
             disk=self.disk.stats() if self.disk else None,
+            shared=self.shared.stats() if self.shared else None,
             num_spilled_blocks=self._num_spilled,
             num_dropped_spills=self._num_dropped_spills,
             num_reloaded_blocks=dict(self._num_reloaded),
@@ -256,9 +243,10 @@ class KVTiers:
             held = self.transfers.num_held_host_blocks
             assert self.host.pool.num_used_blocks == num_swapped_host_blocks + held, (
                 "host blocks leaked")
-        if self.disk is not None:
-            self.disk.flush()
-            self.disk.check_invariants()
+        for tier in (self.disk, self.shared):
+            if tier is not None:
+                tier.flush()
+                tier.check_invariants()
 
 
 class _HostToDisk:

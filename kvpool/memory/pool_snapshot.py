@@ -21,6 +21,7 @@ of consecutive ids with equal (state, ref_count, filled slots, holders), not one
      "time": unix seconds, "step": engine steps since start-up,
      "pools": {"device": POOL, "host": POOL (only with a host tier)},
      "disk": {"num_blocks": n, "num_bytes": b} or null,
+     "shared": {"is_up": 0 or 1, "num_stored_blocks": n, "num_loaded_blocks": n} or null,
      "sequences": [{"request_id": "req-3", "index": 0, "status": "running",
                     "num_tokens": 40, "num_computed_tokens": 40,
                     "block_ids": [[7, 3]],            runs [first id, count], table order
@@ -207,6 +208,7 @@ class KVSnapshot:
     stats: BlockPoolStats  # the device pool's
     derived: DerivedFigures
     disk: dict[str, int] | None = None  # {"num_blocks", "num_bytes"} with a disk tier
+    shared: dict[str, int] | None = None  # the shared tier's counts (module docstring)
     recent_evictions: tuple[str, ...] = ()  # short hashes the device evicted, oldest first
     version: int = SNAPSHOT_VERSION
 
@@ -220,6 +222,7 @@ class KVSnapshot:
             "step": self.step,
             "pools": {name: view.to_json() for name, view in self.pools.items()},
             "disk": self.disk,
+            "shared": self.shared,
             "sequences": [seq.to_json() for seq in self.sequences],
             "stats": asdict(self.stats),
             "derived": asdict(self.derived),
@@ -242,6 +245,7 @@ class KVSnapshot:
                 stats=BlockPoolStats(**doc["stats"]),
                 derived=DerivedFigures(**doc["derived"]),
                 disk=doc.get("disk"),
+                shared=doc.get("shared"),
                 recent_evictions=tuple(doc.get("recent_evictions", ())),
             )
         except (KeyError, TypeError, ValueError) as error:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -152,6 +152,14 @@ class PrefixCache:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._entry_by_block_id
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether some block is cached under `block_hash`."""
+        return block_hash in self._block_id_by_hash
+
+    def block_hashes(self) -> KeysView[BlockHash]:
+        """Every hash cached (a live view: copy it before the cache changes)."""
+        return self._block_id_by_hash.keys()
 
     def entry(self, block_id: int) -> CachedBlock | None:
         """What the cache holds for `block_id`, or None."""

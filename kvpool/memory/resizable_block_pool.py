@@ -57,7 +57,9 @@ class ResizableBlockPool(BlockPool):
             self._is_online[block_id] = False
             if block_id in self._evictable_ids:
                 del self._evictable_ids[block_id]
-                self.prefix_cache.remove(block_id)
+                entry = self.prefix_cache.remove(block_id)
+                if entry is not None and self.event_log is not None:
+                    self.event_log.removed(entry.block_hash)
                 self._num_filled_slots[block_id] = 0
                 num_evicted += 1
         self._fresh_free_ids = [b for b in self._fresh_free_ids if b not in removed]

@@ -3,8 +3,8 @@
 Request path: AuthMiddleware (401 before any work) → BodyLimitMiddleware (413) → FastAPI
 (validation errors become OpenAI-shaped 400s) → routes (generation: routes.py; models,
 tokenize, version, ping: utility_routes.py; KV snapshot, prefix explanation and the dashboard:
-kv_routes.py). On shutdown (the lifespan's end) the engine is given what is left of the grace
-period, then stopped.
+kv_routes.py; KV events' source and snapshot: kv_event_routes.py). On shutdown (the
+lifespan's end) the engine is given what is left of the grace period, then stopped.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.server.config import ServerConfig
 from kvpool.server.errors import install_error_handlers
 from kvpool.server.generation import ServerState
+from kvpool.server.kv_event_routes import router as kv_event_router
 from kvpool.server.kv_routes import router as kv_router
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.middleware import AccessPolicy, AuthMiddleware, BodyLimitMiddleware
@@ -55,6 +56,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     app.include_router(router)
     app.include_router(utility_router)
     app.include_router(kv_router)
+    app.include_router(kv_event_router)
     # Added last = runs first: authentication before the body is even read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     policy = AccessPolicy(config.api_keys, config.metrics_api_keys,

@@ -51,18 +51,12 @@ def chat_inputs(
     if request.continue_final_message and request.add_generation_prompt:
         raise bad_request("continue_final_message needs add_generation_prompt false",
                           "continue_final_message")
-    tokenizer = engine.tokenizer
-    template = config.chat_template or (tokenizer.hf_tokenizer.chat_template
-                                        if tokenizer is not None else None)
-    if tokenizer is None or not template:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    plan = plan_tools(request)
+    prompt, plan = chat_prompt(request, engine.tokenizer, config.chat_template)
     constraint = request_constraint(request)
     if constraint is not None and plan.constraint is not None:
         raise bad_request("tool_choice required or a named function constrains the output "
                           "itself: leave out response_format and structured_outputs",
                           "tool_choice")
-    prompt = _render(tokenizer, request, plan, template, config.chat_template)
     check_prompt_length(len(prompt.token_ids), engine.max_model_len, "messages")
     logprobs = _logprobs(request, config)
     compile_tool_constraint(engine, plan)
@@ -86,6 +80,21 @@ def chat_inputs(
     )
     return EngineInputs([prompt], [params], request.priority, tool_plan=plan,
                         output_parser=output_parser(plan, parser))
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, override: str | None
+                ) -> tuple[EnginePrompt, ToolPlan]:
+    """The conversation as the engine runs it, and its tool plan: the tools planned, the
+    messages rendered with the chat template (`override`, the server's --chat-template, else
+    the model's) and tokenized. OpenAIError 400 without a template, or for tools or messages
+    that are refused. `kvpool router` tokenizes with it too, so its block hashes are the
+    replica's."""
+    template = override or (tokenizer.hf_tokenizer.chat_template
+                            if tokenizer is not None else None)
+    if tokenizer is None or not template:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    plan = plan_tools(request)
+    return _render(tokenizer, request, plan, template, override), plan
 
 
 def _logprobs(request: ChatCompletionRequest, config: ServerConfig) -> int | None:

@@ -71,8 +71,8 @@ def completion_inputs(
     check_supported(request)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
-    prompts = [_tokenize_prompt(prompt, tokenizer, request.add_special_tokens)
-               for prompt in _prompt_list(request, config)]
+    prompts = [tokenize_prompt(prompt, tokenizer, request.add_special_tokens)
+               for prompt in _checked_prompt_list(request, config)]
     for prompt in prompts:
         check_prompt_length(len(prompt.token_ids), max_model_len, "prompt")
     if request.logprobs is not None and not 0 <= request.logprobs <= config.max_logprobs:
@@ -112,14 +112,20 @@ def engine_defaults(engine: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ prompts
-def _prompt_list(request: CompletionRequest, config: ServerConfig) -> list[str | list[int]]:
+def prompt_list(request: CompletionRequest) -> list[str | list[int]]:
+    """`prompt` as a list of prompts (it is one text, one list of token ids, or a list of
+    either); unchecked (the router reads it too, and leaves the checks to the replica)."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        prompts: list[str | list[int]] = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
-    else:
-        prompts = list(prompt)  # type: ignore[arg-type]
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _checked_prompt_list(request: CompletionRequest, config: ServerConfig
+                         ) -> list[str | list[int]]:
+    prompts = prompt_list(request)
     if not prompts or any(len(item) == 0 for item in prompts):
         raise bad_request("prompt must not be empty", "prompt")
     if len(prompts) > config.max_prompts:
@@ -127,8 +133,8 @@ def _prompt_list(request: CompletionRequest, config: ServerConfig) -> list[str |
     return prompts
 
 
-def _tokenize_prompt(prompt: str | list[int], tokenizer: Any, add_special_tokens: bool
-                     ) -> EnginePrompt:
+def tokenize_prompt(prompt: str | list[int], tokenizer: Any, add_special_tokens: bool
+                    ) -> EnginePrompt:
     if not isinstance(prompt, str):
         return EnginePrompt(None, prompt)
     if tokenizer is None:

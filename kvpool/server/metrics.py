@@ -25,8 +25,10 @@ its own `CollectorRegistry`, so several apps (tests, benchmarks) can live in one
                kvpool:num_{swap,recompute}_preemptions_total,
                kvpool:swapped_{out,in}_{blocks,bytes}_total, kvpool:recompute_tokens_avoided_total,
                kvpool:kv_spilled_blocks_total, kvpool:kv_reloaded_blocks_total{source},
-               kvpool:cached_tokens_total{source} (SGLang's: device, host, disk),
+               kvpool:cached_tokens_total{source} (SGLang's: device, host, disk, shared),
                kvpool:disk_cache_{stored_blocks,rejected_files,evicted_files,write_errors}_total
+    shared     kvpool:kv_shared_{up,pending_bytes}, kvpool:kv_shared_{stored_blocks,
+               loaded_blocks,rejected_blocks,errors,dropped_writes,reconnects}_total
     info       kvpool:cache_config_info{block_size, cache_dtype, num_gpu_blocks,
                bytes_per_block} = 1 (vLLM's cache_config_info; cache_dtype is the KV storage
                dtype, e.g. "int8" or "float8_e4m3fn")
@@ -43,6 +45,7 @@ from prometheus_client.registry import Collector
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineSnapshot
 from kvpool.engine.outputs import RequestOutput
 from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.memory.redis_tier import SharedTierStats
 from kvpool.server.request_metrics import RequestHistograms
 
 
@@ -99,6 +102,8 @@ class EngineCollector(Collector):
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, name, documentation, value)
         yield from self._tier_metrics(snapshot)
+        if snapshot.kv_tiers.shared is not None:
+            yield from self._shared_metrics(snapshot.kv_tiers.shared)
         yield self._cache_config(snapshot.memory)
 
     def _tier_metrics(self, snapshot: EngineSnapshot) -> Iterator[Metric]:
@@ -153,9 +158,31 @@ class EngineCollector(Collector):
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, name, documentation, value)
         yield self._by_source("cached_tokens", "Prompt tokens served by the prefix cache of each "
-                              "tier (device, host, disk).", stats.cached_tokens_by_tier)
+                              "tier (device, host, disk, shared).", stats.cached_tokens_by_tier)
         yield self._by_source("kv_reloaded_blocks", "Prefix blocks copied up to the device, by "
                               "source tier.", tiers.num_reloaded_blocks)
+
+    def _shared_metrics(self, shared: SharedTierStats) -> Iterator[Metric]:
+        """The shared tier (Redis): whether it is up, and what it wrote, served and refused."""
+        yield self._family(GaugeMetricFamily, "kv_shared_up", "1 while the shared KV tier's "
+                           "Redis answers, 0 while it is down or too slow.", int(shared.is_up))
+        yield self._family(GaugeMetricFamily, "kv_shared_pending_bytes", "KV bytes queued for "
+                           "writing to Redis.", shared.num_pending_bytes)
+        counters = [
+            ("stored_blocks", "Blocks written to Redis.", shared.num_stored_blocks),
+            ("loaded_blocks", "Blocks read from Redis, validated and served.",
+             shared.num_loaded_blocks),
+            ("rejected_blocks", "Redis values found truncated, corrupt, foreign or holding other "
+             "tokens: deleted, never served.", shared.num_rejected_blocks),
+            ("errors", "Redis calls that failed (down, slower than the timeout, refused).",
+             shared.num_errors),
+            ("dropped_writes", "Blocks not written: Redis down, or the write queue full.",
+             shared.num_dropped_writes),
+            ("reconnects", "Times Redis answered again after being down.",
+             shared.num_reconnects),
+        ]
+        for name, documentation, value in counters:
+            yield self._family(CounterMetricFamily, f"kv_shared_{name}", documentation, value)
 
     def _by_source(self, name: str, documentation: str, values: dict[str, int]) -> Metric:
         family = CounterMetricFamily(f"kvpool:{name}", documentation,

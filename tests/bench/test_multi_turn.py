@@ -44,7 +44,7 @@ def test_multi_turn_json_reports_every_turn_of_every_configuration(tiers, tmp_pa
         assert result["num_prompt_tokens"] == 2 * (48 + 60)
         # each second turn finds its first turn's 48 prompt tokens (3 blocks) cached
         assert 2 * 48 <= result["num_cached_prompt_tokens"] < result["num_prompt_tokens"]
-        assert set(result["cached_tokens_by_tier"]) <= {"device", "host", "disk"}
+        assert set(result["cached_tokens_by_tier"]) <= {"device", "host", "disk", "shared"}
         assert result["num_preemptions"] == (result["num_recompute_preemptions"]
                                              + result["num_swap_preemptions"])
         assert ("ttft_vs_off" in result) == (tier != "off")

@@ -9,7 +9,7 @@ import sys
 
 from kvpool.cli import build_parser
 
-COMMANDS = {"demo", "generate", "chat", "serve", "simulate", "bench", "inspect"}
+COMMANDS = {"demo", "generate", "chat", "serve", "router", "simulate", "bench", "inspect"}
 HEAVY_MODULES = ("torch", "triton", "transformers", "numpy", "fastapi", "uvicorn", "gguf")
 # A fresh interpreter: this test process has long imported torch through other tests.
 PROBE = f"""
@@ -26,7 +26,7 @@ def test_every_command_is_registered() -> None:
     bench = subparsers.choices["bench"]._subparsers._group_actions[0]
     assert set(bench.choices) == {"blocks", "throughput", "serve", "precision", "kv-capacity",
                                   "kv-granularity", "multi-turn", "structured", "kv-trace",
-                                  "snapshot", "tp"}
+                                  "snapshot", "tp", "scale-out"}
 
 
 def test_building_the_parser_imports_nothing_heavy() -> None:

@@ -145,7 +145,7 @@ def test_a_restarted_engine_finds_the_first_ones_blocks_on_disk(make_engine, tmp
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.num_cached_tokens > 0
     assert second_engine.stats().cached_tokens_by_tier == {
-        "device": 0, "host": 0, "disk": second.num_cached_tokens}
+        "device": 0, "host": 0, "disk": second.num_cached_tokens, "shared": 0}
 
 
 def test_corrupt_disk_files_are_skipped_and_counted_never_served(make_engine, tmp_path):

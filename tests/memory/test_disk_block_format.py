@@ -15,7 +15,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from kvpool.memory import disk_block_format as block_format
-from kvpool.memory.disk_block_format import RejectedFile, decode_block, encode_block
+from kvpool.memory.disk_block_format import RejectedBlock, decode_block, encode_block
 from kvpool.memory.kv_layout import KVLayout
 
 
@@ -65,7 +65,7 @@ def test_rows_of_a_batch_encode_as_the_row_alone():
 @pytest.mark.parametrize("num_bytes", [0, 7, 8, 40])
 def test_a_file_cut_in_its_header_is_rejected_as_truncated(num_bytes):
     layout = make_layout()
-    with pytest.raises(RejectedFile, match="truncated"):
+    with pytest.raises(RejectedBlock, match="truncated"):
         decode(encoded(layout)[:num_bytes], layout)
 
 
@@ -90,13 +90,13 @@ def test_junk_is_never_decoded():
 ])
 def test_a_file_of_another_format_namespace_or_block_is_rejected(field, value):
     layout = make_layout()
-    with pytest.raises(RejectedFile, match=rf"^{field} is"):
+    with pytest.raises(RejectedBlock, match=rf"^{field} is"):
         decode(rewritten(encoded(layout), **{field: value}), layout)
 
 
 def test_a_valid_file_under_another_blocks_name_is_rejected():
     layout = make_layout()
-    with pytest.raises(RejectedFile, match=r"^block_hash is"):
+    with pytest.raises(RejectedBlock, match=r"^block_hash is"):
         decode(encoded(layout, key=2), layout, key=1)
 
 
@@ -108,7 +108,7 @@ def test_a_valid_file_under_another_blocks_name_is_rejected():
     (make_layout(head_dim=4), make_layout(head_dim=8)),  # other shape
 ])
 def test_a_file_of_another_layout_is_rejected(written, read):
-    with pytest.raises(RejectedFile, match="do not fit the layout"):
+    with pytest.raises(RejectedBlock, match="do not fit the layout"):
         decode(encoded(written), read)
 
 
@@ -120,7 +120,7 @@ def test_a_flipped_payload_byte_fails_the_checksum(dtype, where):
     data = bytearray(encoded(layout))
     payload = layout.bytes_per_block  # the tensors' bytes end the file
     data[-1 - int(where * (payload - 1))] ^= 0x10
-    with pytest.raises(RejectedFile, match="checksum mismatch"):
+    with pytest.raises(RejectedBlock, match="checksum mismatch"):
         decode(bytes(data), layout)
 
 
@@ -129,7 +129,7 @@ def test_a_flipped_payload_byte_fails_the_checksum(dtype, where):
 ])
 def test_edited_metadata_fails_the_checksum(metadata):
     layout = make_layout()
-    with pytest.raises(RejectedFile, match="checksum mismatch"):
+    with pytest.raises(RejectedBlock, match="checksum mismatch"):
         decode(rewritten(encoded(layout), **metadata), layout)
 
 
@@ -137,7 +137,7 @@ def test_other_token_ids_are_rejected():
     """The same hash for other tokens (a collision) is not served."""
     layout = make_layout()
     block_hash, tokens, *_ = make_block(layout, 1)
-    with pytest.raises(RejectedFile, match="other token ids"):
+    with pytest.raises(RejectedBlock, match="other token ids"):
         decode_block(encoded(layout), layout, NAMESPACE, block_hash, [*tokens[:-1], 7])
 
 

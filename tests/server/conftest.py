@@ -1,9 +1,9 @@
 """Server fixtures: real uvicorn servers on free loopback ports, over models loaded once.
 
-Two models: the real SmolLM2 (session fixture `smollm2`) where the text matters, and
-`fast_model`, SmolLM2's tokenizer over a tiny random-weight Llama with the same vocabulary, where
-only the server and the block pool are under test (auth, limits, disconnects, soak, fuzz): it
-steps in milliseconds, so those tests can send hundreds of requests.
+Two models (session fixtures of tests/conftest.py): the real SmolLM2 (`smollm2`) where the
+text matters, and `fast_model`, SmolLM2's tokenizer over a tiny random-weight Llama with the same
+vocabulary, where only the server and the block pool are under test (auth, limits, disconnects,
+soak, fuzz): it steps in milliseconds, so those tests can send hundreds of requests.
 
 Every server is checked at teardown: after the graceful stop no block may still be in use and
 the pool's invariants must hold.
@@ -26,8 +26,6 @@ from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.setup import build_engine_parts
-from kvpool.model.config import ModelConfig
-from kvpool.model.loaders.auto import load_model
 from kvpool.model.loaders.base import LoadedModel
 from kvpool.server.app import build_app
 from kvpool.server.background import BackgroundServer
@@ -81,19 +79,6 @@ def serve(
     num_used = engine.engine.memory_stats().num_used_blocks
     assert num_used == 0, f"{num_used} blocks leaked"
     engine.engine.check_invariants()
-
-
-@pytest.fixture(scope="session")
-def fast_model(smollm2: LoadedModel) -> LoadedModel:
-    """A two-layer random Llama with SmolLM2's vocabulary, EOS and tokenizer."""
-    config = dataclasses.replace(
-        ModelConfig.preset("tiny"),
-        vocab_size=smollm2.config.vocab_size,
-        eos_token_ids=smollm2.config.eos_token_ids,
-        bos_token_id=smollm2.config.bos_token_id,
-    )
-    dummy = load_model(config, load_format="dummy")
-    return LoadedModel(config, dummy.model, smollm2.tokenizer, dummy.load_seconds)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,218 @@
+"""KV events: what enters and leaves an engine's prefix caches, in vLLM's wire format.
+
+Why a ZMQ PUB socket and not a Redis stream: publishing is a local enqueue, with no broker
+hop on the step's path and no broker to run; a consumer that misses events (a slow
+subscriber, a dropped connection, a restarted replica) notices the gap in sequence numbers and
+resyncs from the replica's `GET /v1/kv/events/snapshot`, so no durability is needed from the
+transport; and it is the vLLM ecosystem's format, so vLLM, Dynamo and llm-d consumers read
+kvpool replicas as they read vLLM's. Redis stays optional (the shared KV tier only).
+
+Wire format (vLLM's `vllm.distributed.kv_events`): every message has three frames,
+
+    [topic (UTF-8), seq (8 bytes, big-endian), msgpack(KVEventBatch)]
+
+    KVEventBatch  [ts, [event, ...], data_parallel_rank]     (the rank: None here)
+    event         ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                   lora_id, medium]
+                | ["BlockRemoved", block_hashes, medium]
+                | ["AllBlocksCleared"]
+
+Block hashes are `kvpool.memory.prefix_cache`'s 32-byte salted chain; `medium` names the tier
+("device" or "host"). A BlockStored carries a run of chained blocks of one medium:
+`parent_block_hash` is the parent of the run's first block (None for a prompt's first block,
+or a host block whose parent this log never heard of), each later hash chains on the one
+before, and `token_ids` are the run's tokens, `block_size` per block.
+
+`KVEventLog`, the engine's side, hears each attached pool (`BlockPool.event_log`, a
+`PoolEvents`): every block published into its prefix cache, every hashed block evicted (for
+reuse, or by an elastic shrink) and every reset. Invariants:
+- `seq` is the number of non-empty batches drained: 1 for the first, per engine.
+- Applying every drained batch, in order, to empty per-medium sets gives exactly the hashes
+  the attached pools' prefix caches hold as of the last drain; `snapshot` drains first, so
+  its blocks are those sets and its `seq` the last batch they include.
+- `_parent_by_hash` knows the parent of every hash an attached pool holds that this log heard
+  published (so a host spill names its parent); hashes no pool holds are pruned at each drain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvpool.engine.kv_events_config import KVEventsConfig
+from kvpool.memory.prefix_cache import BlockHash
+
+if TYPE_CHECKING:
+    from kvpool.engine.kv_event_publisher import EventPublisher
+    from kvpool.memory.block_pool import BlockPool
+
+DEVICE = "device"
+HOST = "host"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """An event's first field on the wire is its class name (msgspec's tag)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def encode_message(topic: str, seq: int, batch: KVEventBatch) -> list[bytes]:
+    """The three frames of one message (module docstring)."""
+    return [topic.encode("utf-8"), seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
+
+
+def decode_message(frames: Sequence[bytes]) -> tuple[int, KVEventBatch]:
+    """(seq, batch) from a message's frames; ValueError for anything else (msgspec's
+    DecodeError is one)."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise ValueError(f"a KV event message has 3 frames with an 8-byte seq, got "
+                         f"{[len(frame) for frame in frames]} bytes")
+    return int.from_bytes(frames[1], "big"), msgspec.msgpack.decode(frames[2],
+                                                                     type=KVEventBatch)
+
+
+@dataclass(frozen=True, slots=True)
+class EventSnapshot:
+    """Every (hash, medium) an engine's prefix caches hold, as of batch `seq`."""
+
+    seq: int
+    blocks: list[tuple[bytes, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEvents:
+    """One pool's line to the log (`BlockPool.event_log`): the pool's medium is fixed."""
+
+    log: KVEventLog
+    medium: str
+
+    def stored(self, block_hash: BlockHash, parent_hash: BlockHash | None,
+               token_ids: Sequence[int]) -> None:
+        """A full block entered the pool's prefix cache."""
+        self.log.stored(self.medium, block_hash, parent_hash, token_ids)
+
+    def removed(self, block_hash: BlockHash) -> None:
+        """A hashed block left the pool's prefix cache."""
+        self.log.removed(self.medium, block_hash)
+
+    def cleared(self) -> None:
+        """The pool is about to drop every hash it holds (a reset)."""
+        self.log.cleared(self.medium)
+
+
+class KVEventLog:
+    """One engine's KV events: the batch the current step builds, numbered at `drain`."""
+
+    def __init__(self, config: KVEventsConfig, block_size: int,
+                 publisher: EventPublisher) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.publisher = publisher
+        self.seq = 0
+        self._pools: dict[str, BlockPool] = {}
+        self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        self._parent_by_hash: dict[BlockHash, BlockHash | None] = {}
+        self._removed: list[BlockHash] = []  # since the last drain: candidates to prune
+
+    def attach(self, pool: BlockPool, medium: str) -> None:
+        """Hear `pool` from now on, as tier `medium`."""
+        assert medium not in self._pools, f"a {medium} pool is already attached"
+        self._pools[medium] = pool
+        pool.event_log = PoolEvents(self, medium)
+
+    # ------------------------------------------------------------ the pools' side
+    def stored(self, medium: str, block_hash: BlockHash, parent_hash: BlockHash | None,
+               token_ids: Sequence[int]) -> None:
+        if parent_hash is None:  # a first block, or a spill: the parent it was published with
+            parent_hash = self._parent_by_hash.get(block_hash)
+        self._parent_by_hash[block_hash] = parent_hash
+        events = self._events
+        last = events[-1] if events else None
+        if (type(last) is BlockStored and last.medium == medium
+                and last.block_hashes[-1] == parent_hash):  # the run goes on
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(token_ids)
+            return
+        events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size,
+                                  None, medium))
+
+    def removed(self, medium: str, block_hash: BlockHash) -> None:
+        self._removed.append(block_hash)
+        events = self._events
+        last = events[-1] if events else None
+        if type(last) is BlockRemoved and last.medium == medium:
+            last.block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved([block_hash], medium))
+
+    def cleared(self, medium: str) -> None:
+        """AllBlocksCleared when every other tier is empty too, else this tier's removals
+        (a consumer clears a replica's every tier on AllBlocksCleared)."""
+        others = [pool for name, pool in self._pools.items() if name != medium]
+        if any(len(pool.prefix_cache) for pool in others):
+            for block_hash in list(self._pools[medium].prefix_cache.block_hashes()):
+                self.removed(medium, block_hash)
+            return
+        if not self._events or type(self._events[-1]) is not AllBlocksCleared:
+            self._events.append(AllBlocksCleared())
+        self._parent_by_hash.clear()
+        self._removed.clear()
+
+    # ------------------------------------------------------------ the engine's side
+    def drain(self) -> None:
+        """Number the step's batch and hand it to the publisher (nothing when empty)."""
+        if not self._events:
+            return
+        events, self._events = self._events, []
+        self._prune_parents()
+        self.seq += 1
+        self.publisher.publish(self.seq, KVEventBatch(time.time(), events))
+
+    def snapshot(self) -> EventSnapshot:
+        """What every attached pool holds now, after draining (so `seq` is exact)."""
+        self.drain()
+        blocks = [(block_hash, medium) for medium, pool in self._pools.items()
+                  for block_hash in pool.prefix_cache.block_hashes()]
+        return EventSnapshot(self.seq, blocks)
+
+    def close(self) -> None:
+        """Publish what is pending, then close the publisher (idempotent)."""
+        self.drain()
+        self.publisher.close()
+
+    def _prune_parents(self) -> None:
+        removed, self._removed = self._removed, []
+        pools = self._pools.values()
+        for block_hash in removed:
+            if not any(pool.prefix_cache.holds(block_hash) for pool in pools):
+                self._parent_by_hash.pop(block_hash, None)
