@@ -1,29 +1,31 @@
 """`kvpool bench scale-out`: multi-turn chat over replicas behind `kvpool router`.
 
-Workload (seeded): `--num-sessions` chat sessions of `--num-turns` turns, all running at once
-in a closed loop (a session sends its next turn when the last one finished): chats about a
-document. The first turn pastes `--first-words` words of prose (`heldout_text`), each later
-turn adds `--user-words` more (both ±50%, so sessions drift out of lockstep); every turn
-resends the whole conversation (`/v1/chat/completions`, streamed, greedy: every earlier user
-message and the assistant's replies) and generates exactly `--output-len` tokens. Sessions
-open with different windows of the text, so they share no prefix beyond the chat template's
-first tokens.
+Workload (seeded): `--num-sessions` chat sessions of `--num-turns` turns, starting
+`--session-interval` seconds apart, each sending its next turn `--think-time` seconds after the
+last reply: chats about a document. The first turn pastes `--first-words` words of prose
+(`heldout_text`), each later turn adds `--user-words` more (both ±50%, so sessions drift out
+of lockstep); every turn resends the whole conversation (`/v1/chat/completions`, streamed,
+greedy: every earlier user message and the assistant's replies) and generates exactly
+`--output-len` tokens. Sessions open with different windows of the text, so they share no
+prefix beyond the chat template's first tokens.
 
 Configurations, each on fresh processes (`--replicas` `kvpool serve` replicas with KV events
 on, `--threads-per-replica` threads each, and a `kvpool router` in front), one at a time:
   round-robin     the router's `--policy round-robin`; no shared tier
   prefix          `--policy prefix` (the longest cached prefix, load-capped)
   prefix+shared   `--policy prefix`, replicas share a KV tier in a private redis-server
+  round-robin+shared  (not run by default) round-robin over replicas sharing that tier
 What it reports per configuration, from the client's side: output tok/s, TTFT p50/p99 of turns
 after the first (`later_ttft_ms_*`) and of first turns, the cache hit rate of later turns
 (`usage.prompt_tokens_details.cached_tokens` / prompt tokens), and the router's decisions by
 reason; `ttft_p50_speedup` is round-robin's later-turn TTFT p50 over each configuration's.
 
 `projection` is a paper model (`project`), not a measurement: TTFT = t0 + uncached tokens /
-prefill rate, with the rate measured on cold first turns and t0 on the prefix run, and the
-uncached tokens each policy leaves at N replicas if sessions were assigned as it assigns them
+prefill rate, both fitted by least squares over the prefix run's turns, and the uncached
+tokens each policy leaves at N replicas if sessions were assigned as it assigns them
 (round-robin: a turn lands on a replica that served the conversation's latest earlier turn
-with probability 1/N; prefix: always). It ignores queueing and eviction.
+with probability 1/N; prefix: always). It ignores queueing and eviction (which only widen the
+gap: round-robin asks every replica to cache every conversation).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import httpx
 
 from kvpool.bench.processes import ManagedProcess, free_port, start_kvpool, start_redis
 
-CONFIGS = ("round-robin", "prefix", "prefix+shared")
+CONFIGS = ("round-robin", "prefix", "prefix+shared", "round-robin+shared")
+DEFAULT_CONFIGS = CONFIGS[:3]
 PROJECTED_REPLICAS = (2, 4, 8, 16)
 
 
@@ -58,6 +61,8 @@ class ChatSessions:
     user_words: int = 40
     output_len: int = 32
     seed: int = 0
+    session_interval: float = 2.0  # seconds between session starts
+    think_time: float = 2.0  # seconds a user takes between a reply and the next turn
 
     def user_messages(self) -> list[list[str]]:
         """Each session's user message per turn: windows of the held-out prose."""
@@ -130,13 +135,16 @@ async def _chat(http: httpx.AsyncClient, messages: list[dict[str, str]], output_
 
 
 async def _session(http: httpx.AsyncClient, index: int, messages_by_turn: list[str],
-                   output_len: int) -> list[Turn]:
+                   sessions: ChatSessions) -> list[Turn]:
     conversation: list[dict[str, str]] = []
     turns = []
+    await asyncio.sleep(index * sessions.session_interval)
     for turn, user in enumerate(messages_by_turn):
+        if turn:
+            await asyncio.sleep(sessions.think_time)
         conversation.append({"role": "user", "content": user})
         result = Turn(index, turn)
-        await _chat(http, conversation, output_len, result)
+        await _chat(http, conversation, sessions.output_len, result)
         conversation.append({"role": "assistant", "content": result.text})
         turns.append(result)
     return turns
@@ -148,7 +156,7 @@ async def run_sessions(base_url: str, sessions: ChatSessions) -> tuple[list[Turn
     async with httpx.AsyncClient(base_url=base_url, timeout=900) as http:
         start = time.perf_counter()
         per_session = await asyncio.gather(*(
-            _session(http, index, turns, sessions.output_len)
+            _session(http, index, turns, sessions)
             for index, turns in enumerate(messages)))
     return [turn for turns in per_session for turn in turns], time.perf_counter() - start
 
@@ -174,10 +182,10 @@ def run_config(config: str, args: argparse.Namespace, sessions: ChatSessions,
         for index in range(args.replicas):
             port = free_port()
             started.append(start_kvpool(f"replica{index}", "serve", _replica_args(
-                args, redis_url if config == "prefix+shared" else None), port, env))
+                args, redis_url if config.endswith("+shared") else None), port, env))
             urls.append(f"http://127.0.0.1:{port}")
         router_port = free_port()
-        policy = "round-robin" if config == "round-robin" else "prefix"
+        policy = "round-robin" if config.startswith("round-robin") else "prefix"
         router_args = [f"--replica={url}" for url in urls] + ["--policy", policy]
         if args.model:
             router_args += ["--model", args.model]
@@ -236,11 +244,11 @@ def project(results: dict[str, ConfigResult], replicas: tuple[int, ...] = PROJEC
     prefix = results.get("prefix") or results.get("prefix+shared")
     if prefix is None:
         return {}
-    cold = [turn for turn in prefix.turns if turn.turn == 0 and turn.ttft > 0]
-    rate = statistics.median(turn.prompt_tokens / turn.ttft for turn in cold)
+    # TTFT = t0 + uncached / rate, fitted (least squares) over every turn of the prefix run.
+    uncached = [turn.prompt_tokens - turn.cached_tokens for turn in prefix.turns]
+    slope, t0 = statistics.linear_regression(uncached, [turn.ttft for turn in prefix.turns])
+    rate, t0 = 1 / max(slope, 1e-9), max(0.0, t0)
     later = [turn for turn in prefix.turns if turn.turn > 0]
-    t0 = statistics.median(max(0.0, turn.ttft - (turn.prompt_tokens - turn.cached_tokens) / rate)
-                           for turn in later)
     by_turn = {(turn.session, turn.turn): turn for turn in prefix.turns}
     out: dict[str, Any] = {"prefill_tokens_per_s": rate, "t0_ms": 1e3 * t0}
     for count in replicas:
@@ -275,11 +283,13 @@ def report(results: dict[str, ConfigResult]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     sessions = ChatSessions(args.num_sessions, args.num_turns, args.first_words,
-                            args.user_words, args.output_len, args.workload_seed)
+                            args.user_words, args.output_len, args.workload_seed,
+                            args.session_interval, args.think_time)
     results: dict[str, ConfigResult] = {}
     with tempfile.TemporaryDirectory(prefix="kvpool-scale-out-") as scratch:
         redis, redis_url = (start_redis(Path(scratch), args.redis_maxmemory)
-                            if "prefix+shared" in args.configs else (None, None))
+                            if any(name.endswith("+shared") for name in args.configs)
+                            else (None, None))
         try:
             for config in args.configs:
                 results[config] = run_config(config, args, sessions, redis_url)
@@ -304,8 +314,10 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
                         "the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--threads-per-replica", type=int, default=1)
-    parser.add_argument("--kv-cache-memory", type=int, default=256 * 2**20,
-                        help="bytes of device KV per replica")
+    parser.add_argument("--kv-cache-memory", type=int, default=200 * 2**20,
+                        help="bytes of device KV per replica (the default holds about half "
+                        "the sessions' conversations in fp32 SmolLM2: what prefix routing "
+                        "gives each replica, while round-robin asks each for all of them)")
     parser.add_argument("--num-sessions", type=int, default=8)
     parser.add_argument("--num-turns", type=int, default=4)
     parser.add_argument("--first-words", type=int, default=400,
@@ -313,8 +325,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--user-words", type=int, default=40,
                         help="new words per later user turn (±50%%)")
     parser.add_argument("--output-len", type=int, default=32, help="tokens generated per turn")
+    parser.add_argument("--session-interval", type=float, default=2.0,
+                        help="seconds between session starts")
+    parser.add_argument("--think-time", type=float, default=2.0,
+                        help="seconds between a reply and the session's next turn")
     parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS))
     parser.add_argument("--redis-maxmemory", default="1gb")
     parser.add_argument("--output-json", default=None, metavar="PATH")
     parser.set_defaults(func=lambda args: run(args))

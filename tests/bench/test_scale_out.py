@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.bench.scale_out import ChatSessions, Turn, project, report, summarize
+from kvpool.bench.scale_out import ChatSessions, Turn, report, summarize
 
 
 def test_the_workload_is_seeded_and_drifts_out_of_lockstep() -> None:
@@ -21,10 +21,12 @@ def test_the_workload_is_seeded_and_drifts_out_of_lockstep() -> None:
 
 
 def _turns(cached_later: int) -> list[Turn]:
-    """Two sessions of two turns: 200-token first turns, 260-token second turns."""
+    """Two sessions of two turns: 200-token first turns, 260-token second turns, each taking
+    0.2 s plus its uncached tokens at 200 tokens/s."""
     turns = []
     for session in range(2):
-        turns.append(Turn(session, 0, ttft=1.0, prompt_tokens=200, output_tokens=10))
+        turns.append(Turn(session, 0, ttft=0.2 + 200 / 200, prompt_tokens=200,
+                          output_tokens=10))
         turns.append(Turn(session, 1, ttft=0.2 + (260 - cached_later) / 200,
                           prompt_tokens=260, cached_tokens=cached_later, output_tokens=10))
     return turns
@@ -34,7 +36,7 @@ def test_the_summary_separates_later_turns() -> None:
     result = summarize("prefix", _turns(cached_later=208), wall=4.0, routing={})
     assert result.output_tokens_per_s == pytest.approx(40 / 4.0)
     assert result.later_hit_rate == pytest.approx(208 / 260)
-    assert result.first_ttft_ms_p50 == pytest.approx(1000)
+    assert result.first_ttft_ms_p50 == pytest.approx(1200)
     assert result.later_ttft_ms_p50 == pytest.approx(1e3 * (0.2 + 52 / 200))
 
 
@@ -46,6 +48,7 @@ def test_the_report_compares_with_round_robin_and_projects() -> None:
     assert speedup == pytest.approx((0.2 + 260 / 200) / (0.2 + 52 / 200))
     projection = body["projection"]
     assert projection["prefill_tokens_per_s"] == pytest.approx(200)
+    assert projection["t0_ms"] == pytest.approx(200)
     speedups = [projection[f"{count}_replicas"]["speedup"] for count in (2, 4, 8, 16)]
     assert speedups == sorted(speedups)  # round-robin's chance of a hit falls with N
     assert speedups[0] > 1
