@@ -9,18 +9,13 @@ restarted Redis without persistence comes back.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from kvpool.bench.processes import free_port
 
 
 class RedisServer:

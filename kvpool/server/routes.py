@@ -56,7 +56,12 @@ def _state(request: Request) -> ServerState:
 
 @router.get("/health", responses=_ERRORS)
 async def health(request: Request) -> dict[str, str]:
-    engine = _state(request).engine
+    """200 while the server takes requests; 503 once it is shutting down (draining), so that
+    a router or load balancer stops sending it new ones, or when the engine cannot step."""
+    state = _state(request)
+    engine = state.engine
+    if state.shutdown_started_at is not None:
+        raise OpenAIError(503, "shutting down: finishing the requests in flight")
     if not engine.is_healthy:
         reason = engine.unhealthy_reason or "the engine thread is not running"
         raise OpenAIError(503, f"unhealthy: {reason}")

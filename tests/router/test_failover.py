@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.bench.processes import free_port
+
 KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                         "endpoint": "tcp://127.0.0.1:*"})
 TURN_1 = list(range(1, 41))  # 2 full blocks of 16
 TURN_2 = TURN_1 + list(range(41, 61))  # 3 full blocks
 TURN_3 = TURN_2 + list(range(61, 81))
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:

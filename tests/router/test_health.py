@@ -5,21 +5,16 @@ process's (the old process's blocks are forgotten), and follows its events from 
 
 from __future__ import annotations
 
-import socket
 from contextlib import ExitStack
 
 import httpx
 
+from kvpool.bench.processes import free_port
 from tests.router.conftest import serve_at, start_router, wait_for_blocks, wait_until
 from tests.server.conftest import MODEL
 
 PROMPT = list(range(200, 250))  # 3 full blocks of 16
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_directly(base_url: str) -> None:

@@ -66,6 +66,8 @@ def test_sigterm_finishes_requests_in_flight_and_exits_cleanly() -> None:
         try:
             refused = httpx.post(f"{base_url}/v1/completions", json={"prompt": [1]}, timeout=5)
             assert refused.status_code == 503
+            health = httpx.get(f"{base_url}/health", timeout=5)  # draining: routers look away
+            assert health.status_code == 503 and "shutting down" in health.text
         except httpx.TransportError:
             pass  # or the listening socket is already closed: refused either way
         reader.join(timeout=60)
