@@ -14,6 +14,12 @@ mode is untouched). The headers the sources include (`HEADERS`) are hashed into 
 flags, because torch's rebuild check hashes only the sources. When the build fails the caller
 falls back to the PyTorch path with one warning naming the cause; `KVPOOL_CPU_KERNELS=0` skips
 the kernels altogether.
+
+Each checkout builds in its own directory (`build_directory`: Python, torch, and a hash of the
+sources' path), so two clones never rebuild over each other. Builders and loaders take a
+kvpool-owned `flock` (released by the kernel when its process dies) before torch's own `lock`
+file: torch waits forever on a `lock` left by a killed build, and under our flock any such file
+is known stale and removed.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ import functools
 import hashlib
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.cpp", "fused_ops.cpp")
@@ -32,6 +41,8 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 # Linking with -fopenmp records libgomp.so.1, the soname of the libgomp torch ships and has
 # already loaded, so at::parallel_for runs on torch's own OpenMP pool, never a second one.
 LINK_FLAGS = ("-fopenmp",)
+# A cold build takes under a minute on two cores; a waiter gives up (PyTorch path) after this.
+BUILD_WAIT_SECONDS = 600.0
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -61,6 +72,39 @@ def is_disabled() -> bool:
     return os.environ.get("KVPOOL_CPU_KERNELS", "1") == "0"
 
 
+def extension_name() -> str:
+    """The library's name: one per CPU fingerprint (`-march=native` code is CPU-specific)."""
+    return f"kvpool_cpu_kernels_{cpu_fingerprint()}"
+
+
+def extensions_root() -> Path:
+    """torch's extension root: `TORCH_EXTENSIONS_DIR`, else its user cache directory."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+def build_directory() -> Path:
+    """Where this checkout's build lives, under torch's extension root (`TORCH_EXTENSIONS_DIR`).
+
+    The directory names Python and torch (the library links against both) and hashes the
+    sources' path: torch's build file names sources by absolute path, so two checkouts sharing
+    one directory would rebuild on every switch, and a build killed midway blocks the other."""
+    import torch
+
+    checkout = hashlib.sha256(str(CSRC_DIR.resolve()).encode()).hexdigest()[:10]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    runtime = f"{python}-torch{torch.__version__}".replace("+", "-")
+    return extensions_root() / "kvpool" / runtime / f"{extension_name()}-{checkout}"
+
+
+def build_lock(directory: Path, timeout: float = BUILD_WAIT_SECONDS) -> FileLock:
+    """The flock every builder and loader of `directory` holds; the kernel drops it with its
+    process, so a killed build never leaves the next one waiting."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return FileLock(directory / "kvpool.lock", timeout=timeout)
+
+
 @functools.cache
 def load_cpu_kernels() -> None:
     """Build (first time on this machine) and load the kernels; raise `CpuKernelsUnavailable`
@@ -71,14 +115,23 @@ def load_cpu_kernels() -> None:
         raise CpuKernelsUnavailable(f"built on Linux only, not {platform.system()}")
     from torch.utils import cpp_extension
 
+    directory = build_directory()
     try:
-        cpp_extension.load(
-            name=f"kvpool_cpu_kernels_{cpu_fingerprint()}",
-            sources=[str(CSRC_DIR / source) for source in SOURCES],
-            extra_cflags=[*COMPILE_FLAGS, f"-DKVPOOL_HEADERS_DIGEST={headers_digest()}"],
-            extra_ldflags=list(LINK_FLAGS),
-            is_python_module=False,
-        )
+        with build_lock(directory):
+            # torch's own baton: while we hold our flock nobody is building, so it is stale.
+            (directory / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=extension_name(),
+                sources=[str(CSRC_DIR / source) for source in SOURCES],
+                extra_cflags=[*COMPILE_FLAGS, f"-DKVPOOL_HEADERS_DIGEST={headers_digest()}"],
+                extra_ldflags=list(LINK_FLAGS),
+                build_directory=str(directory),
+                is_python_module=False,
+            )
+    except Timeout as error:
+        raise CpuKernelsUnavailable(
+            f"another process has held {error.lock_file} for over {BUILD_WAIT_SECONDS:.0f} s"
+        ) from error
     except Exception as error:  # no compiler, no ninja, a failed build: all mean "not here"
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CpuKernelsUnavailable(f"{type(error).__name__}: {first_line}") from error
@@ -110,7 +163,7 @@ def main() -> None:
     except CpuKernelsUnavailable as error:
         print(f"kvpool CPU kernels unavailable ({error}); the PyTorch attention path will be used")
         return
-    print(f"kvpool CPU kernels ready (build for cpu {cpu_fingerprint()})")
+    print(f"kvpool CPU kernels ready ({build_directory()})")
 
 
 if __name__ == "__main__":
