@@ -37,8 +37,12 @@ redis:
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# One pytest worker per core, at most 4 (each loads the session's models); files stay whole on
+# one worker so module fixtures load once. tests/conftest.py splits torch's threads among them.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: setup
 	$(VENV)/bin/kvpool demo

@@ -13,6 +13,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # pytest-xdist (`make test` runs one worker per core): each worker and every process it
+    # starts gets its share of the cores, so torch's thread pools never oversubscribe them.
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 
 @pytest.fixture(scope="session")
