@@ -33,7 +33,8 @@ class DiskTierMachine(RuleBasedStateMachine):
         self.root = tempfile.mkdtemp(prefix="disk-tier-")
         self.on_disk: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.pending: list[int] = []
-        self.damaged: set[int] = set()
+        # key -> the (byte, bit) positions flipped in its file; flipping one twice restores it
+        self.damaged: dict[int, set[tuple[int, int]]] = {}
         self.expected = {"num_rejected_files": 0, "num_evicted_files": 0, "num_dropped_writes": 0}
         self.gate = Gate()
         self.tier = self._open()
@@ -49,7 +50,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         for key in self.pending:
             while len(self.on_disk) >= SM_MAX_FILES:
                 evicted, _ = self.on_disk.popitem(last=False)
-                self.damaged.discard(evicted)
+                self.damaged.pop(evicted, None)
                 self.expected["num_evicted_files"] += 1
             self.on_disk[key] = None
         self.pending.clear()
@@ -81,7 +82,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         elif wrong_tokens or key in self.damaged:
             assert block is None
             del self.on_disk[key]
-            self.damaged.discard(key)
+            self.damaged.pop(key, None)
             self.expected["num_rejected_files"] += 1
         else:
             assert block is not None and same_bits(block.kv, kv) and same_bits(block.scales, scales)
@@ -104,7 +105,10 @@ class DiskTierMachine(RuleBasedStateMachine):
         mtime_ns = path.stat().st_mtime_ns  # its recency: damage is not a use
         path.write_bytes(contents)
         os.utime(path, ns=(mtime_ns, mtime_ns))
-        self.damaged.add(key)
+        flipped = self.damaged.setdefault(key, set())
+        flipped ^= {(position, bit)}
+        if not flipped:
+            del self.damaged[key]
 
     @rule()
     def restart(self):
