@@ -93,12 +93,14 @@ class ReplicaSet:
             stopping.add_done_callback(self._stopping.discard)
 
     async def bring_in(self, replica: Replica) -> None:
-        """Route to it again, with a fresh feed."""
+        """Route to it again once its fresh feed is attached, so it is never healthy with its
+        blocks unseen by prefix routing (a refused feed: by load, asked again next check)."""
         logger.info("replica %s is in", replica.url)
-        replica.is_healthy, replica.error, replica.num_failed_checks = True, None, 0
-        await self.ensure_subscribed(replica)
+        replica.error, replica.num_failed_checks = None, 0
+        await self.ensure_subscribed(replica, coming_in=True)
+        replica.is_healthy = True
 
-    async def ensure_subscribed(self, replica: Replica) -> None:
+    async def ensure_subscribed(self, replica: Replica, coming_in: bool = False) -> None:
         """Start the replica's feed if it has not been asked for since it came in."""
         if replica.is_subscribed:
             return
@@ -108,7 +110,7 @@ class ReplicaSet:
             logger.warning("replica %s: no KV events (%s: %s); asking again at its next "
                            "health check", replica.url, type(error).__name__, error)
             return
-        if not replica.is_healthy:  # taken out meanwhile: asked again when it is back
+        if not (replica.is_healthy or coming_in):  # taken out meanwhile: asked when back
             if events is not None:
                 await asyncio.to_thread(events.stop)
             return
