@@ -1,9 +1,10 @@
 """The engine: requests in, one batched step at a time, outputs out.
 
-A request's life: `add_request` hashes its prompt's full blocks once and queues its first
-sequence; steps prefill it (blocks from the free list, cached prefix blocks shared), then decode
-it one token per step (a new block only when the last is full); when it finishes every block
-goes back.
+A request's life: `add_request` hands it to the request intake
+(`kvpool.engine.request_intake`: tokenized, validated, prepared and its prompt's full blocks
+hashed, once, at the edge) and queues its first sequence; steps prefill it (blocks from the
+free list, cached prefix blocks shared), then decode it one token per step (a new block only
+when the last is full); when it finishes every block goes back.
 
     step():  schedule → execute → sample → update → outputs
 
@@ -25,20 +26,20 @@ KV memory (`KVMemory`) resizes (an elastic pool grows or migrates blocks and shr
 the top of a step, before anything is scheduled: no slot mapping or block copy is in flight
 then. At start-up a dummy batch warms the engine up (`kvpool.engine.warmup`), then every
 counter is reset.
+
+The engine holds its parts and nothing derived from them: the model's parts (`EngineParts`:
+model config, tokenizer, device, dtype, KV memory, workers) are read through it, the counters
+are `StepStats`' and the scheduler's, and what a request needs is prepared by the intake.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
-from collections.abc import Iterator
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Callable, Iterator
 
 from kvpool.engine.config import EngineConfig
-from kvpool.engine.engine_stats import EngineStats, PhaseClock, swap_stats
-from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.grammar import GrammarCompiler
+from kvpool.engine.engine_stats import EngineStats, PhaseClock, StepStats
 from kvpool.engine.kv_event_publisher import KVEventLog, start_kv_events
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.kv_recorder import KVRecorder
@@ -46,13 +47,7 @@ from kvpool.engine.kv_snapshot import take_kv_snapshot
 from kvpool.engine.output_processor import OutputProcessor
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.preemption import PreemptionPolicy
-from kvpool.engine.request_state import (
-    bad_words_token_ids,
-    cache_salt_key,
-    grammar_matchers,
-    sequence_generators,
-)
-from kvpool.engine.request_validation import validate_request
+from kvpool.engine.request_intake import PromptInput, RequestIntake
 from kvpool.engine.sampler import Sampler, SamplerOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.sampling_rows import sampling_rows
@@ -63,75 +58,118 @@ from kvpool.engine.warmup import warm_up
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
-from kvpool.memory.kv_tiers import KVTierStats
+from kvpool.memory.kv_tiers import KVTiers, KVTierStats
 from kvpool.memory.pool_rates import PoolRateWindow
 from kvpool.memory.pool_snapshot import KVSnapshot
-from kvpool.memory.prefix_cache import hash_full_blocks
 from kvpool.model.flops import prefill_flops
 
-PromptInput = str | SequenceOf[int] | dict
+__all__ = ["LLMEngine", "PromptInput"]
 
 
 class LLMEngine:
+    """Requests in, one batched step at a time, outputs out (module docstring)."""
+
     def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
         self.config = config
-        parts = parts or build_engine_parts(config)
-        self.model_config = parts.model_config
-        self.tokenizer = parts.tokenizer
-        self.max_model_len = parts.max_model_len
-        self.device = parts.device
-        self.dtype = parts.dtype  # the model's and the KV cache's ("auto" already resolved)
-        self._default_sampling_params = parts.default_sampling_params
-        self.kv_memory = parts.kv_memory
+        self.parts = parts = parts or build_engine_parts(config)
         self.runner = make_runner(parts)
-        # Tensor parallelism's other ranks (None at tp=1): stopped at close, collection, exit.
-        self.workers = parts.workers
-        self._close_workers = (None if parts.workers is None
-                               else weakref.finalize(self, parts.workers.close))
-        eos_ids = parts.tokenizer.eos_token_ids if parts.tokenizer else ()
-        self.eos_token_ids = frozenset(eos_ids) | frozenset(parts.model_config.eos_token_ids)
+        self.intake = RequestIntake(parts.tokenizer, parts.model_config, parts.max_model_len,
+                                    config.max_num_seqs, parts.kv_memory, parts.device)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
-        # Structured outputs' grammars (None without a tokenizer): callers may compile ahead.
-        self.grammar_compiler = None if parts.tokenizer is None else GrammarCompiler(
-            parts.tokenizer, parts.model_config.vocab_size, self.eos_token_ids)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.batched_tokens_limit(parts.max_model_len),
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        )
-        policy = PreemptionPolicy(config.preemption_mode, self.kv_memory.layout.bytes_per_block,
-                                  lambda num_tokens: prefill_flops(parts.model_config, num_tokens))
-        kv_manager = KVCacheManager(self.kv_memory, policy)
-        self.kv_tiers = self.kv_memory.tiers
-        self._close_tiers = weakref.finalize(self, self.kv_tiers.close)
-        self.scheduler = Scheduler(scheduler_config, kv_manager, stop_checker=self.outputs)
+        self.scheduler = Scheduler(self._scheduler_config(), self._kv_manager(),
+                                   stop_checker=self.outputs)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
-        self._request_ids = itertools.count()
+        self.step_stats = StepStats()
         self.kv_rates = PoolRateWindow()  # the device pool's alloc/free rates, for snapshots
         self.kv_recorder: KVRecorder | None = None  # --kv-trace: after the warm-up, not in it
         self.kv_events: KVEventLog | None = None  # kv_events_config: after the warm-up too
+        # Finishes the tiers' copies and writes, then stops tensor parallelism's other ranks:
+        # at close(), when the engine is collected, or at exit, whichever comes first.
+        closers = [parts.kv_memory.tiers.close]
+        if parts.workers is not None:
+            closers.append(parts.workers.close)
+        self._close = weakref.finalize(self, _close_all, closers)
         self.reset_stats()
-        self.warmup_seconds = warm_up(self) if config.enable_warmup else 0.0
-        if config.kv_trace is not None:
-            self.kv_recorder = KVRecorder.start(config.kv_trace, self.kv_memory, kv_manager)
+        self.warmup_seconds = (warm_up(self, parts, self.runner, self.scheduler.kv.policy)
+                               if config.enable_warmup else 0.0)
+        self._start_observers()
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        config = self.config
+        return SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.batched_tokens_limit(self.max_model_len),
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+
+    def _kv_manager(self) -> KVCacheManager:
+        model_config = self.model_config
+        policy = PreemptionPolicy(self.config.preemption_mode,
+                                  self.kv_memory.layout.bytes_per_block,
+                                  lambda num_tokens: prefill_flops(model_config, num_tokens))
+        return KVCacheManager(self.kv_memory, policy)
+
+    def _start_observers(self) -> None:
+        """The KV trace and the KV events, which hear only what follows the warm-up."""
+        if self.config.kv_trace is not None:
+            self.kv_recorder = KVRecorder.start(self.config.kv_trace, self.kv_memory,
+                                                self.scheduler.kv)
             weakref.finalize(self, self.kv_recorder.close)
-        self.kv_events = start_kv_events(config.kv_events_config, self.kv_memory, self)
+        self.kv_events = start_kv_events(self.config.kv_events_config, self.kv_memory, self)
+
+    # ------------------------------------------------------------ the model's parts
+    @property
+    def model_config(self):
+        return self.parts.model_config
+
+    @property
+    def tokenizer(self):
+        return self.parts.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.parts.max_model_len
+
+    @property
+    def device(self):
+        return self.parts.device
+
+    @property
+    def dtype(self):
+        """The model's and the KV cache's dtype ("auto" already resolved)."""
+        return self.parts.dtype
+
+    @property
+    def kv_memory(self):
+        return self.parts.kv_memory
+
+    @property
+    def kv_tiers(self) -> KVTiers:
+        return self.parts.kv_memory.tiers
+
+    @property
+    def workers(self):
+        """Tensor parallelism's other ranks (None at tp=1)."""
+        return self.parts.workers
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.intake.eos_token_ids
+
+    @property
+    def grammar_compiler(self):
+        """Structured outputs' grammars (None without a tokenizer): callers may compile
+        ahead, off the step loop."""
+        return self.intake.grammar_compiler
 
     def reset_stats(self) -> None:
         """Zero every counter and return KV memory to its start-up state; only while no
         request is unfinished (the warm-up calls it; so may a benchmark between phases)."""
         if self.requests:
             raise ValueError(f"cannot reset with {len(self.requests)} unfinished requests")
-        self._num_steps = 0
-        self._peak_used_blocks = 0
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
-        self._phase_seconds = dict.fromkeys(("schedule", "model", "sample", "output"), 0.0)
-        self._decode_only_model_seconds = 0.0
-        self.scheduler.num_preemptions = 0
-        self.scheduler.num_recomputed_tokens = 0
-        self.scheduler.kv.reset_counters()
+        self.step_stats.reset()
+        self.scheduler.reset_counters()
         self.kv_memory.reset()
         self.kv_rates.clear()
 
@@ -148,37 +186,15 @@ class LLMEngine:
         (a ValueError naming the field) if it can never run. A structured request's grammar
         comes from `grammar_compiler`'s cache, or is compiled here (callers that can compile
         ahead, off the step loop, do: the async engine, the server)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt_text, token_ids = self._tokenize(prompt)
-        request_id = request_id if request_id is not None else str(next(self._request_ids))
-        validate_request(self, request_id, token_ids, params)
-        salt = cache_salt_key(cache_salt)
-        request = Request(request_id, prompt_text, token_ids, params, time.monotonic(), salt,
-                          sequence_generators(params.seed, params.n, self.device), priority,
-                          cache_salt, grammar_matchers(params, self.grammar_compiler),
-                          bad_words_token_ids(params.bad_words, self.tokenizer,
-                                              self.model_config.vocab_size))
-        block_hashes = hash_full_blocks(token_ids, self.kv_memory.layout.block_size, salt)
+        request, block_hashes = self.intake.make_request(prompt, params, request_id, priority,
+                                                         cache_salt, self.requests)
         if self.kv_recorder is not None:
-            self.kv_recorder.arrive(request_id, len(token_ids), params.n, block_hashes)
+            self.kv_recorder.arrive(request.request_id, len(request.prompt_token_ids),
+                                    request.params.n, block_hashes)
         self.scheduler.add_request(request, block_hashes)
-        self.requests[request_id] = request
-        self._num_prompt_tokens += len(token_ids)
+        self.requests[request.request_id] = request
+        self.step_stats.num_prompt_tokens += len(request.prompt_token_ids)
         return request
-
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer: give prompts as token ids", "prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now, wherever it is; its blocks return to the pool at once. Returns
@@ -204,26 +220,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that changed (and whose output
         kind hands one out now)."""
-        clock = PhaseClock(self._phase_seconds)
-        if self.kv_recorder is not None:
-            self.kv_recorder.step = self._num_steps
-        self._set_pool_clocks(time.monotonic())
-        self.resize_kv_pool()
+        clock = self._start_step()
         batch = self.scheduler.schedule()
         clock.lap("schedule")
         sampled = self._execute_and_sample(batch, clock)
         changed = self.scheduler.update(batch, sampled)
-        self.kv_tiers.after_step()  # what this step published, written through to disk
-        if self.kv_events is not None:  # this step's KV events, numbered and published
-            self.kv_events.drain()
-        pool = self.kv_memory.pool
-        self.kv_rates.sample(pool.now, *pool.allocation_counters())
+        self._after_update()
         clock.lap("sample")
         outputs = self._make_outputs(changed)
-        if self.kv_recorder is not None:
-            self.kv_recorder.end_step(pool, self._num_steps)
+        self._end_step()
         clock.lap("output")
         return outputs
+
+    def _start_step(self) -> PhaseClock:
+        """Stamp the pools' clocks and resize KV memory, before anything is scheduled."""
+        clock = self.step_stats.clock()
+        if self.kv_recorder is not None:
+            self.kv_recorder.step = self.step_stats.num_steps
+        self._set_pool_clocks(time.monotonic())
+        self.resize_kv_pool()
+        return clock
 
     def _execute_and_sample(self, batch: SchedulerOutput, clock: PhaseClock) -> SamplerOutput:
         """The tiers' copies, the model and the sampler; if any raises, the step is rolled
@@ -231,8 +247,7 @@ class LLMEngine:
         self.kv_tiers.before_step(batch.written_block_ids)
         if not batch.chunks:
             return SamplerOutput(token_ids=[], logprobs=[])
-        self._peak_used_blocks = max(self._peak_used_blocks,
-                                     self.kv_memory.pool.num_used_blocks)
+        num_used_blocks = self.kv_memory.pool.num_used_blocks
         try:
             logits = self.runner.execute(batch.chunks, batch.block_copies)
             model_seconds = clock.lap("model")
@@ -242,11 +257,19 @@ class LLMEngine:
         except BaseException:
             self.scheduler.roll_back(batch)
             raise
-        if all(chunk.num_new_tokens == 1 for chunk in batch.chunks):
-            self._decode_only_model_seconds += model_seconds
-        self._num_steps += 1
-        self._num_generated_tokens += len(sampled.token_ids)
+        is_decode_only = all(chunk.num_new_tokens == 1 for chunk in batch.chunks)
+        self.step_stats.record_model_run(num_used_blocks, model_seconds, is_decode_only,
+                                         len(sampled.token_ids))
         return sampled
+
+    def _after_update(self) -> None:
+        """What the step published, written through to disk and the shared tier; its KV
+        events numbered and published; the pool's alloc/free rates sampled."""
+        self.kv_tiers.after_step()
+        if self.kv_events is not None:
+            self.kv_events.drain()
+        pool = self.kv_memory.pool
+        self.kv_rates.sample(pool.now, *pool.allocation_counters())
 
     def _make_outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -263,6 +286,10 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _end_step(self) -> None:
+        if self.kv_recorder is not None:
+            self.kv_recorder.end_step(self.kv_memory.pool, self.step_stats.num_steps)
 
     # ------------------------------------------------------------ KV pool
     def _set_pool_clocks(self, now: float) -> None:
@@ -293,38 +320,31 @@ class LLMEngine:
         return self.kv_memory.pool_stats()
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_steps=self._num_steps,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
-            peak_used_blocks=self._peak_used_blocks,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens,
-            phase_seconds=dict(self._phase_seconds),
-            decode_only_model_seconds=self._decode_only_model_seconds,
-            **swap_stats(self.scheduler.kv.counters, self.kv_memory.layout.bytes_per_block),
-        )
+        scheduler = self.scheduler
+        return self.step_stats.record(scheduler.num_preemptions, scheduler.num_recomputed_tokens,
+                                      scheduler.kv.counters,
+                                      self.kv_memory.layout.bytes_per_block)
 
     def kv_snapshot(self) -> KVSnapshot:
         """Every block, every block table and the derived figures, as of now (between steps:
         the async engine takes it on its own thread); `kvpool.engine.kv_snapshot`."""
         self._set_pool_clocks(time.monotonic())
-        return take_kv_snapshot(self)
+        return take_kv_snapshot(self.kv_memory, self.requests.values(),
+                                self.scheduler.kv.swapped_host_blocks,
+                                self.step_stats.num_steps, self.kv_rates.rates())
 
     def kv_tier_stats(self) -> KVTierStats:
         """The host and disk tiers: their blocks, spills, reloads and swaps."""
         return self.kv_tiers.stats()
 
     def close(self) -> None:
-        """Finish the KV tiers' copies and the disk tier's writes (idempotent; also run when
-        the engine is garbage-collected and at exit); write out the KV trace, and stop it;
-        stop the tensor-parallel workers; publish the last KV events and close their socket."""
-        self._close_tiers()
+        """Finish the KV tiers' copies and the disk tier's writes and stop the tensor-parallel
+        workers (once; also run when the engine is garbage-collected and at exit); write out
+        the KV trace, and stop it; publish the last KV events and close their socket."""
+        self._close()
         if self.kv_recorder is not None:
             self.kv_recorder.close()
             self.kv_recorder = None
-        if self._close_workers is not None:
-            self._close_workers()
         if self.kv_events is not None:
             self.kv_events.close()
 
@@ -344,4 +364,9 @@ class LLMEngine:
         """SamplingParams field -> value for the fields the model's generation config sets
         (vLLM's `generation_config="auto"`; `kvpool.engine.generation_config`): the defaults
         of a request that leaves them out. Empty when the model sets none. A copy."""
-        return dict(self._default_sampling_params)
+        return dict(self.parts.default_sampling_params)
+
+
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        close()

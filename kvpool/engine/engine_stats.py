@@ -1,6 +1,10 @@
-"""The engine's counters as one record (`LLMEngine.stats()`), for reports, benchmarks and
-metrics; `swap_stats` turns the KV manager's preemption and tier counters into its fields
-(bytes derived from blocks: `KVLayout.bytes_per_block` is their one owner)."""
+"""The engine's counters: `StepStats` counts as steps run, `EngineStats` is their record
+(`LLMEngine.stats()`) for reports, benchmarks and metrics; `swap_stats` turns the KV manager's
+preemption and tier counters into its fields (bytes derived from blocks:
+`KVLayout.bytes_per_block` is their one owner).
+
+Invariant: `StepStats`' phase seconds only grow between resets, and a step counts once, when
+its model ran (a step with nothing to run, or one rolled back, is not counted)."""
 
 from __future__ import annotations
 
@@ -53,6 +57,54 @@ def swap_stats(counters: SwapCounters, bytes_per_block: int) -> dict:
 
 
 SWAP_FIELDS = tuple(swap_stats(SwapCounters(), 0))
+
+
+PHASES = ("schedule", "model", "sample", "output")  # a step's phases, in order
+
+
+class StepStats:
+    """What the engine's steps did since the last reset: steps, tokens, peak blocks, and the
+    wall time of each phase (`PhaseClock` charges it)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_steps = 0
+        self.peak_used_blocks = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        self.decode_only_model_seconds = 0.0
+
+    def clock(self) -> PhaseClock:
+        """A clock for one step, charging this record's phases."""
+        return PhaseClock(self.phase_seconds)
+
+    def record_model_run(self, num_used_blocks: int, model_seconds: float,
+                         is_decode_only: bool, num_sampled: int) -> None:
+        """A step's model ran on `num_used_blocks` device blocks and sampled `num_sampled`
+        tokens."""
+        self.peak_used_blocks = max(self.peak_used_blocks, num_used_blocks)
+        if is_decode_only:
+            self.decode_only_model_seconds += model_seconds
+        self.num_steps += 1
+        self.num_generated_tokens += num_sampled
+
+    def record(self, num_preemptions: int, num_recomputed_tokens: int, counters: SwapCounters,
+               bytes_per_block: int) -> EngineStats:
+        """This record with the scheduler's and the KV manager's counters, as `EngineStats`."""
+        return EngineStats(
+            num_steps=self.num_steps,
+            num_preemptions=num_preemptions,
+            num_recomputed_tokens=num_recomputed_tokens,
+            peak_used_blocks=self.peak_used_blocks,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            phase_seconds=dict(self.phase_seconds),
+            decode_only_model_seconds=self.decode_only_model_seconds,
+            **swap_stats(counters, bytes_per_block),
+        )
 
 
 class PhaseClock:

@@ -1,4 +1,7 @@
-"""`take_kv_snapshot(engine)`: the engine's KV memory as one `KVSnapshot`, between steps.
+"""`take_kv_snapshot(...)`: an engine's KV memory as one `KVSnapshot`, between steps.
+
+It reads the narrow parts it needs, never the engine: the KV memory, the unfinished requests,
+where swapped sequences' blocks are (the KV manager's), the step count and the pool's rates.
 
 Each pool is read by `kvpool.memory.pool_view.take_pool_view`. The holders of each block come
 from the sequences' block tables: every table of every unfinished request (waiting ones hold
@@ -9,10 +12,11 @@ no device blocks; a swapped sequence's blocks are on the host, listed as its
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
-from kvpool.engine.sequence import SequenceStatus
+from kvpool.engine.sequence import Request, Sequence, SequenceStatus
 from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.pool_snapshot import (
     USED,
     DerivedFigures,
@@ -23,16 +27,19 @@ from kvpool.memory.pool_snapshot import (
 from kvpool.memory.pool_view import take_pool_view
 from kvpool.memory.snapshot_runs import short_hash
 
-if TYPE_CHECKING:
-    from kvpool.engine.engine import LLMEngine
+SwappedBlocks = Callable[[Sequence], list[int]]  # a sequence's host blocks while swapped out
 
-def take_kv_snapshot(engine: LLMEngine) -> KVSnapshot:
-    """The engine's pools, sequences and derived figures (call between steps)."""
-    pool = engine.kv_memory.pool
-    sequences = _sequence_views(engine)
+
+def take_kv_snapshot(memory: KVMemory, requests: Iterable[Request],
+                     swapped_host_blocks: SwappedBlocks, num_steps: int,
+                     rates: tuple[float, float, float]) -> KVSnapshot:
+    """The pools, the unfinished requests' sequences and the derived figures, after
+    `num_steps` steps; `rates`: the device pool's (alloc/s, free/s, window seconds)."""
+    pool = memory.pool
+    sequences = _sequence_views(requests, swapped_host_blocks)
     tables = [seq.block_ids for seq in sequences]
     pools = {"device": take_pool_view(pool, tables)}
-    tiers = engine.kv_tiers
+    tiers = memory.tiers
     if tiers.host is not None:
         host_tables = [seq.host_block_ids for seq in sequences]
         pools["host"] = take_pool_view(tiers.host.pool, host_tables)
@@ -47,19 +54,19 @@ def take_kv_snapshot(engine: LLMEngine) -> KVSnapshot:
                   "num_loaded_blocks": shared_stats.num_loaded_blocks}
     stats = pool.stats()
     return KVSnapshot(
-        time=time.time(), step=engine.stats().num_steps, pools=pools,
+        time=time.time(), step=num_steps, pools=pools,
         sequences=tuple(sequences), stats=stats,
-        derived=_derived(pools["device"], stats, engine.kv_rates.rates()),
+        derived=_derived(pools["device"], stats, rates),
         disk=disk, shared=shared,
         recent_evictions=tuple(short_hash(h) for h in pool.recent_evictions),
     )
 
 
-def _sequence_views(engine: LLMEngine) -> list[SequenceView]:
-    swapped_host_blocks = engine.scheduler.kv.swapped_host_blocks
+def _sequence_views(requests: Iterable[Request],
+                    swapped_host_blocks: SwappedBlocks) -> list[SequenceView]:
     running = SequenceStatus.RUNNING
     views = []
-    for request in engine.requests.values():
+    for request in requests:
         request_id, salt = request.request_id, request.cache_salt
         for seq in request.sequences:
             if seq.is_finished:

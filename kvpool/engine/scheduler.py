@@ -84,11 +84,16 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # computed tokens dropped by preemption
+        self.reset_counters()
         self._seq_ids = itertools.count()
         self._num_schedules = 0
         self._preempted_at: dict[int, tuple[int, ...]] = {}  # seq_id -> its last two steps
+
+    def reset_counters(self) -> None:
+        """Zero the preemption counters, the KV manager's with them."""
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens dropped by preemption
+        self.kv.reset_counters()
 
     def add_request(self, request: Request, block_hashes: list) -> Sequence:
         """Queue the first sequence of a new request; `block_hashes` are its prompt's."""
