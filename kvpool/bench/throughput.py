@@ -1,6 +1,7 @@
 """`kvpool bench throughput`: offline throughput on a fixed, seeded workload, optionally side by
-side with vLLM (`--baseline vllm`) and transformers `generate` (`--baseline hf`) on the same
-model, dtype, prompts and lengths, in one sitting.
+side with other engines (`Baseline`s) on the same model, dtype, prompts and lengths, in one
+sitting. The command itself runs kvpool alone; `python -m benchmarks.throughput_baselines` (a
+development benchmark, in a checkout) passes vLLM's and transformers' baselines to `run`.
 
 Workload: prompts of random token ids (lengths uniform in `--input-len`), each generating
 exactly its own output length (uniform in `--output-len`, EOS ignored, greedy). `--num-prompts
@@ -8,7 +9,7 @@ exactly its own output length (uniform in `--output-len`, EOS ignored, greedy). 
 prefix cache; `--shared-prefix N` starts every prompt with the same N tokens, to show prefix
 caching; `--dtypes float32 bfloat16` repeats everything per dtype, and `--kv-cache-dtypes auto
 int8 fp8` everything per KV storage dtype (with `--kv-cache-memory`: the same budget, so a
-quantized pool holds more tokens; vLLM runs the same KV dtype where it has it, fp8 for int8).
+quantized pool holds more tokens; a baseline runs the same KV dtype where it has one).
 `--preemption-modes recompute swap auto` repeats every kvpool run per preemption mode, with the
 same `--kv-cache-memory` and `--swap-space`; each run reports its preemptions of each kind, the
 blocks and bytes swapped out and in, and its output tokens/s over `recompute`'s. The baselines
@@ -26,9 +27,10 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
@@ -37,6 +39,31 @@ if TYPE_CHECKING:
 
 Request = tuple[list[int], int]  # (prompt token ids, output length)
 Runs = list[tuple[str, list[Request]]]  # (label, requests), in the order they run
+
+
+class BaselineUnavailable(RuntimeError):
+    """A baseline cannot run (here, or any more); the message says what to set up. Raised by
+    `check`, the benchmark stops before measuring anything; by `run`, the report keeps the
+    message and the benchmark goes on."""
+
+
+class Baseline(Protocol):
+    """Another engine, run on exactly kvpool's requests right after kvpool, per dtype and KV
+    dtype (once per pair, next to the first preemption mode).
+
+    `run` returns `{"runs": {label: {"output_tokens_per_s": ..., ...}}, ...}`; a run that
+    carries `token_ids` (one list per request) is compared token by token with kvpool's. The
+    rest of the dict is reported as the baseline's own (`decode_ms_per_token`, `load_s` and
+    `kv_cache_dtype` are shown in the table when present)."""
+
+    name: str  # the key of its results in the report, e.g. "vllm"
+    label: str  # its name in the table, e.g. "vLLM"
+
+    def check(self, config: EngineConfig) -> None:
+        """Raise `BaselineUnavailable` if it cannot run on `config`."""
+
+    def run(self, config: EngineConfig, runs: Runs, kv_cache_bytes: int) -> dict:
+        """Every run of `runs`; `kv_cache_bytes` is kvpool's KV budget, to match."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +160,8 @@ def decode_latency(llm: LLM, prompt: list[int], num_tokens: int, pairs: int = 3)
 
 
 def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload,
-              with_baselines: bool = True) -> dict:
-    """Everything `--baseline` asks for, in one dtype: kvpool first, then each baseline
-    (unless not `with_baselines`: kvpool alone)."""
+              baselines: Sequence[Baseline] = ()) -> dict:
+    """One dtype (and KV dtype and preemption mode): kvpool first, then each baseline."""
     from kvpool.engine.llm import LLM
 
     start = time.perf_counter()
@@ -148,66 +174,53 @@ def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload
               "preemption_mode": config.preemption_mode,
               "kv_bytes_per_token": llm.engine.kv_memory.layout.bytes_per_token,
               "kvpool": {"load_s": load_s, **run_kvpool(llm, runs, args.latency_tokens,
-                                                        not args.json)}}
+                                                        not args.json)},
+              "baselines": {}}
     kv_cache_bytes = llm.engine.kv_memory.arena.num_reserved_bytes
     del llm
-    if "vllm" in args.baseline and with_baselines:
-        from kvpool.bench.vllm_baseline import BaselineUnavailable
-
+    for baseline in baselines:
+        result["baselines"][baseline.name] = baseline.label
         try:
-            result["vllm"] = _run_vllm(args, config, runs, kv_cache_bytes)
+            result[baseline.name] = baseline.run(config, runs, kv_cache_bytes)
         except BaselineUnavailable as error:  # keep what has been measured: report, go on
-            result["vllm_error"] = str(error)
-    if "hf" in args.baseline and with_baselines:
-        from kvpool.bench.transformers_baseline import run_transformers
-
-        result["hf"] = run_transformers(config, runs, args.baseline_batch_size, not args.json)
+            result[f"{baseline.name}_error"] = str(error)
     result["comparison"] = compare(result)
     return result
 
 
-def _run_vllm(args: argparse.Namespace, config: EngineConfig, runs: Runs,
-              kv_cache_bytes: int) -> dict:
-    from kvpool.bench import vllm_baseline
-
-    plan = {"model": str(vllm_baseline.hf_model_directory(config.model)), "dtype": config.dtype,
-            "kv_cache_dtype": vllm_baseline.vllm_kv_cache_dtype(config.kv_cache_dtype),
-            "max_num_seqs": config.max_num_seqs, "seed": config.seed,
-            "runs": [{"label": label, "requests": requests} for label, requests in runs],
-            "latency_prompt": runs[0][1][0][0], "latency_tokens": args.latency_tokens}
-    kv_gib = vllm_baseline.vllm_kv_cache_gib(kv_cache_bytes)
-    return vllm_baseline.run_vllm(plan, kv_gib, vllm_baseline.vllm_python(args.vllm_python))
-
-
-def _check_vllm_baseline(args: argparse.Namespace, config: EngineConfig) -> None:
-    from kvpool.bench import vllm_baseline
-
-    if config.load_format == "dummy":
-        raise SystemExit("--baseline vllm needs real weights (a GGUF file or HF directory), "
-                         "not --load-format dummy")
-    try:
-        vllm_baseline.vllm_python(args.vllm_python)
-        vllm_baseline.hf_model_directory(config.model)
-    except vllm_baseline.BaselineUnavailable as error:
-        raise SystemExit(str(error)) from None
-
-
 def compare(result: dict) -> dict:
-    """Per run: kvpool's output tokens/s over each baseline's, and whether vLLM's tokens agree."""
-    from kvpool.bench.vllm_baseline import compare_tokens
-
+    """Per run: kvpool's output tokens/s over each baseline's (`over_<name>`), and how far
+    their tokens agree where the baseline reports them (`tokens_vs_<name>`)."""
     comparison = {}
     for label, ours in result["kvpool"]["runs"].items():
         row = {}
-        for name in ("vllm", "hf"):
-            if name in result:
-                theirs = result[name]["runs"][label]
-                row[f"over_{name}"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
-        if "vllm" in result:
-            row["tokens_vs_vllm"] = compare_tokens(ours["token_ids"],
-                                                   result["vllm"]["runs"][label]["token_ids"])
+        for name in result["baselines"]:
+            if name not in result:
+                continue
+            theirs = result[name]["runs"][label]
+            row[f"over_{name}"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+            if "token_ids" in theirs:
+                row[f"tokens_vs_{name}"] = compare_tokens(ours["token_ids"], theirs["token_ids"])
         comparison[label] = row
     return comparison
+
+
+def compare_tokens(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> dict:
+    """How far two engines' outputs for the same requests agree: identical requests, and the
+    first divergence as (request index, token position), or None when all are identical."""
+    first_divergence = None
+    identical = 0
+    for index, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
+        if list(mine) == list(other):
+            identical += 1
+            continue
+        pairs = zip(mine, other, strict=False)  # a shorter output diverges where it ends
+        position = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                        min(len(mine), len(other)))
+        if first_divergence is None:
+            first_divergence = (index, position)
+    return {"identical_requests": identical, "num_requests": len(ours),
+            "first_divergence": first_divergence}
 
 
 def compare_preemption_modes(results: list[dict]) -> None:
@@ -225,7 +238,7 @@ def compare_preemption_modes(results: list[dict]) -> None:
 
 
 def _without_token_ids(result: dict) -> dict:
-    for name in ("kvpool", "vllm"):
+    for name in ("kvpool", *result["baselines"]):
         for run in result.get(name, {}).get("runs", {}).values():
             run.pop("token_ids", None)
     return result
@@ -241,9 +254,11 @@ def _variant_configs(args: argparse.Namespace, engine_config: EngineConfig) -> l
             for mode in args.preemption_modes or [engine_config.preemption_mode]]
 
 
-def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+def run(args: argparse.Namespace, engine_config: EngineConfig,
+        baselines: Sequence[Baseline] = ()) -> int:
     """The benchmark of `kvpool bench throughput` (flags: kvpool.cli.bench), on the engine
-    `engine_config` describes; prints a table, or one JSON object with `args.json`."""
+    `engine_config` describes, each run also through `baselines`; prints a table, or one JSON
+    object with `args.json`."""
     from kvpool.bench.roofline import matmul_peak_flops
     from kvpool.bench.throughput_report import format_report
 
@@ -258,8 +273,11 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
            args.latency_tokens) < 1:
         raise SystemExit("lengths, --num-prompts and --latency-tokens must be at least 1")
     configs = _variant_configs(args, engine_config)
-    if "vllm" in args.baseline:
-        _check_vllm_baseline(args, engine_config)  # before anything runs: fail fast, lose nothing
+    try:  # before anything runs: fail fast, lose nothing
+        for baseline in baselines:
+            baseline.check(engine_config)
+    except BaselineUnavailable as error:
+        raise SystemExit(str(error)) from None
     import torch
 
     report: dict[str, object] = {
@@ -275,9 +293,9 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     }
     first_mode = configs[0].preemption_mode
     for config in configs:
-        with_baselines = config.preemption_mode == first_mode
-        report["dtypes"].append(
-            _without_token_ids(run_dtype(args, config, workload, with_baselines)))
+        # Baselines preempt their own way: they run once, next to the first mode.
+        others = baselines if config.preemption_mode == first_mode else ()
+        report["dtypes"].append(_without_token_ids(run_dtype(args, config, workload, others)))
     compare_preemption_modes(report["dtypes"])
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=1))

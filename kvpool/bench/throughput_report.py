@@ -1,9 +1,8 @@
 """The readable report of `kvpool bench throughput`: one table per dtype (and KV dtype and
-preemption mode), one row per run; with `--preemption-modes`, a table comparing the modes."""
+preemption mode), one row per run, one column per engine (kvpool, then each baseline, by its
+`label`); with `--preemption-modes`, a table comparing the modes."""
 
 from __future__ import annotations
-
-NAMES = {"kvpool": "kvpool", "vllm": "vLLM", "hf": "transformers"}
 
 
 def format_report(report: dict) -> str:
@@ -48,11 +47,13 @@ def _preemption_section(report: dict) -> list[str]:
 
 
 def _dtype_section(result: dict, peak: float | None) -> list[str]:
-    systems = [name for name in NAMES if name in result]
-    header = ["prompts"] + [f"{NAMES[name]} output tok/s" for name in systems]
-    header += [f"over {NAMES[name]}" for name in systems[1:]]
-    if "vllm" in result:
-        header.append("same tokens as vLLM")
+    names = {"kvpool": "kvpool", **result.get("baselines", {})}
+    systems = [name for name in names if name in result]
+    header = ["prompts"] + [f"{names[name]} output tok/s" for name in systems]
+    header += [f"over {names[name]}" for name in systems[1:]]
+    compared = [name for name in systems[1:]
+                if any(f"tokens_vs_{name}" in row for row in result["comparison"].values())]
+    header += [f"same tokens as {names[name]}" for name in compared]
     header.append("kvpool model GFLOP/s (of peak)")
     rows = [header]
     for label, ours in result["kvpool"]["runs"].items():
@@ -60,20 +61,20 @@ def _dtype_section(result: dict, peak: float | None) -> list[str]:
         row = [label] + [f"{result[name]['runs'][label]['output_tokens_per_s']:.1f}"
                          for name in systems]
         row += [f"{comparison[f'over_{name}']:.2f}×" for name in systems[1:]]
-        if "vllm" in result:
-            row.append(_agreement(comparison["tokens_vs_vllm"]))
+        row += [_agreement(comparison[f"tokens_vs_{name}"]) for name in compared]
         gflops = ours["model_gflops_per_s"]
         row.append(f"{gflops:.1f} ({gflops / peak:.0%})" if peak else f"{gflops:.1f}")
         rows.append(row)
     kv_dtype = result.get("kv_cache_dtype", "auto")
-    vllm_kv = f", vLLM KV {result['vllm']['kv_cache_dtype']}" if "vllm" in result else ""
+    their_kv = "".join(f", {names[name]} KV {result[name]['kv_cache_dtype']}"
+                       for name in systems[1:] if "kv_cache_dtype" in result[name])
     mode = f", preemption {result['preemption_mode']}" if "preemption_mode" in result else ""
     title = (f"{result['dtype']}, KV {kv_dtype} ({result.get('kv_bytes_per_token', 0):,} "
-             f"bytes/token{vllm_kv}){mode}:")
+             f"bytes/token{their_kv}){mode}:")
     lines = [title, *_columns(rows)]
-    if "vllm_error" in result:
-        lines.append(f"vLLM did not finish: {result['vllm_error']}")
-    lines.append(_latency_line(result, systems))
+    lines += [f"{label} did not finish: {result[f'{name}_error']}"
+              for name, label in names.items() if f"{name}_error" in result]
+    lines.append(_latency_line(result, systems, names))
     lines += _kvpool_details(result["kvpool"]["runs"])
     return lines
 
@@ -86,10 +87,10 @@ def _agreement(tokens: dict) -> str:
     return text
 
 
-def _latency_line(result: dict, systems: list[str]) -> str:
-    parts = [f"{NAMES[name]} {result[name]['decode_ms_per_token']:.1f}"
+def _latency_line(result: dict, systems: list[str], names: dict[str, str]) -> str:
+    parts = [f"{names[name]} {result[name]['decode_ms_per_token']:.1f}"
              for name in systems if "decode_ms_per_token" in result[name]]
-    loads = [f"{NAMES[name]} {result[name]['load_s']:.1f} s"
+    loads = [f"{names[name]} {result[name]['load_s']:.1f} s"
              for name in systems if "load_s" in result[name]]
     return (f"single-request decode, ms/token: {', '.join(parts)}; "
             f"start-up: {', '.join(loads)}")

@@ -13,7 +13,7 @@ Per decode step at batch B (one new token per sequence) and context C tokens, tp
     LM-head gather one call: rank 0 receives (n-1)/n of B × vocab × dtype bytes
     share          collective time ÷ (HBM bound + collective time): nothing overlapped
 
-Weights are `kvpool.bench.generation.weight_bytes_read_per_step` (the embedding table only for
+Weights are `kvpool.bench.roofline.weight_bytes_read_per_step` (the embedding table only for
 its rows unless tied), all divided by n (the replicated norms, < 0.01% of them, included). KV
 heads follow `TensorParallel.num_local_kv_heads`: with fewer KV heads than GPUs each GPU keeps
 one (replicated), so KV bytes per GPU stop shrinking at n = num_kv_heads.
@@ -94,7 +94,7 @@ def decode_step_estimate(config: ModelConfig, tp_size: int, batch: int, context:
                          dtype: torch.dtype = torch.bfloat16,
                          hardware: Hardware = H200) -> dict:
     """Per-GPU bytes and times of one decode step (module docstring's formulas)."""
-    from kvpool.bench.generation import weight_bytes_read_per_step
+    from kvpool.bench.roofline import weight_bytes_read_per_step
     from kvpool.memory.kv_layout import KVLayout
 
     check_shapes(config, tp_size)

@@ -1,4 +1,5 @@
-"""`kvpool bench throughput` runs its workload through kvpool and its baselines and reports."""
+"""`kvpool bench throughput` runs its workload through kvpool and reports (its baselines:
+tests/benchmarks/test_throughput_baselines.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import json
 import pytest
 
 from kvpool.bench.roofline import workload_flops
-from kvpool.bench.throughput import Workload
-from kvpool.bench.vllm_baseline import compare_tokens, vllm_kv_cache_gib
+from kvpool.bench.throughput import Workload, compare_tokens
 from kvpool.cli import main
 from kvpool.model.config import ModelConfig
 from kvpool.model.flops import layer_weights
@@ -22,29 +22,6 @@ def test_workload_is_seeded_and_shares_the_prefix():
     assert first == again
     assert all(prompt[:6] == first[0][0][:6] for prompt, _ in first)
     assert all(10 <= len(prompt) <= 15 and 2 <= out <= 5 for prompt, out in first)
-
-
-def test_throughput_json_runs_each_prefix_of_the_workload_against_transformers(capsys):
-    argv = [
-        "bench", "throughput", "--json", *TINY, "--num-prompts", "5", "2",
-        "--input-len", "4", "12", "--output-len", "2", "6", "--latency-tokens", "3",
-        "--baseline", "hf", "--baseline-batch-size", "2", "--kv-cache-memory", "4MiB",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(report["matmul_peak_gflops_per_s"]) == {"float32", "bfloat16"}
-    (result,) = report["dtypes"]
-    assert result["dtype"] == "float32"
-    requests = Workload(5, (4, 12), (2, 6)).requests(512)
-    for label, count in (("5", 5), ("2", 2)):
-        run = result["kvpool"]["runs"][label]
-        assert run["num_output_tokens"] == sum(out for _, out in requests[:count])
-        assert run["peak_blocks_used"] > 0 and run["model_gflops_per_s"] > 0
-        assert 0 < run["decode_only_model_seconds"] < run["step_phase_seconds"]["model"]
-        assert "token_ids" not in run  # compared, not printed
-        assert result["comparison"][label]["over_hf"] > 0
-    assert result["kvpool"]["decode_ms_per_token"] > 0
-    assert set(result["hf"]["runs"]) == {"5", "2"}
 
 
 def test_throughput_table_names_each_run_and_splits_model_time(capsys):
@@ -93,20 +70,6 @@ def test_swap_without_a_host_tier_fails_before_running_anything(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_the_vllm_baseline_without_its_venv_fails_before_running_anything(tmp_path, capsys):
-    missing = tmp_path / "no-venv" / "python"
-    argv = ["bench", "throughput", "--baseline", "vllm", "--vllm-python", str(missing)]
-    with pytest.raises(SystemExit, match="make vllm-venv"):
-        main(argv)
-    assert capsys.readouterr().out == ""  # nothing was measured, so nothing was lost
-
-
-def test_the_vllm_baseline_needs_real_weights(tmp_path):
-    argv = ["bench", "throughput", "--baseline", "vllm", *TINY]
-    with pytest.raises(SystemExit, match="real weights"):
-        main(argv)
-
-
 def test_token_comparison_finds_the_first_divergence():
     ours = [[1, 2, 3], [4, 5, 6], [7, 8]]
     assert compare_tokens(ours, ours) == {
@@ -114,11 +77,6 @@ def test_token_comparison_finds_the_first_divergence():
     theirs = [[1, 2, 3], [4, 9, 6], [7]]
     assert compare_tokens(ours, theirs) == {
         "identical_requests": 1, "num_requests": 3, "first_divergence": (1, 1)}
-
-
-def test_vllm_gets_kvpools_kv_budget_in_whole_gib_rounded_up():
-    gib = 1024**3
-    assert [vllm_kv_cache_gib(n) for n in (1, gib, gib + 1, 2 * gib - 4096)] == [1, 1, 2, 2]
 
 
 def test_model_flops_count_projections_attention_and_lm_head():
@@ -133,3 +91,11 @@ def test_model_flops_count_projections_attention_and_lm_head():
     # 2 prompt tokens from the prefix cache: positions 0 and 1 (1 + 2 keys) are not computed
     saved = 2 * 2 * 2 * layer_weights(config) + (1 + 2) * 4 * 2 * 2 * 2
     assert workload_flops(config, [(3, 2)], cached_tokens=[2]) == expected - saved
+
+
+def test_the_user_command_has_no_baselines(capsys):
+    # Baselines are a development benchmark (python -m benchmarks.throughput_baselines).
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "throughput", "--baseline", "hf"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --baseline" in capsys.readouterr().err

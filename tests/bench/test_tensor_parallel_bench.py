@@ -117,8 +117,8 @@ def test_cli_estimate_only_table(capsys):
 
 
 def test_weight_bytes_count_bf16():
-    # The estimate's weights are the generation bench's (one owner), in bf16.
-    from kvpool.bench.generation import weight_bytes_read_per_step
+    # The estimate's weights are the roofline's (one owner), in bf16.
+    from kvpool.bench.roofline import weight_bytes_read_per_step
 
     row = decode_step_estimate(LLAMA_3_8B, 1, batch=1, context=1)
     assert row["weight_bytes_per_gpu"] == weight_bytes_read_per_step(LLAMA_3_8B, torch.bfloat16)

@@ -10,6 +10,16 @@ Two process groups, for two kinds of traffic:
                     idle server may send no step for hours. A dead peer still fails it at once
                     (gloo raises when a connection closes).
 
+Joining is start-up, not a collective, and gets its own bound (`JOIN_TIMEOUT`): a spawned
+worker first starts a Python, imports torch and kvpool, and in a fresh clone may wait for the
+C++ kernels' build lock; on a busy 2-core machine that took longer than the 60 s collective
+timeout, and every tensor-parallel test failed with `DistStoreError: wait timeout`. Once every
+rank has joined, the default group's timeout drops to `timeout_seconds`.
+
+The port of a spawned group's store is reserved, not just probed: `free_port` keeps the socket
+it bound listening, and rank 0's store takes over that socket (`master_listen_fd`), so no other
+process can take the port between choosing it and listening on it.
+
 The default group is process-global (torch.distributed's), so a process holds at most one
 tensor-parallel engine at a time.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,6 +40,13 @@ from kvpool.model.parallel import TensorParallel
 
 # Between steps a worker waits on the control group; this is how long it may wait.
 CONTROL_TIMEOUT = timedelta(days=7)
+# How long the ranks wait for each other to join (module docstring). A worker that dies before
+# joining is reported by rank 0 only after this; its own traceback is in the log at once.
+JOIN_TIMEOUT = timedelta(minutes=10)
+
+# Ports `free_port` handed out in this process, each held by a bound, listening socket until
+# rank 0's `join` passes the socket to its store (which then owns and closes it).
+_reserved_listeners: dict[int, socket.socket] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +61,15 @@ class Rendezvous:
 
 
 def free_port() -> int:
-    """A loopback TCP port nobody listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port reserved for this process's rendezvous store: the OS picks it, and
+    it stays bound and listening here until rank 0 joins on it (connections that arrive first
+    wait in the backlog)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = int(sock.getsockname()[1])
+    _reserved_listeners[port] = sock
+    return port
 
 
 def is_torchrun() -> bool:
@@ -74,11 +97,27 @@ def join(rendezvous: Rendezvous, device: torch.device,
     if device.type == "cuda":
         backend = "nccl"
         torch.cuda.set_device(rank_device(device, rendezvous.rank))
-    dist.init_process_group(backend, init_method=rendezvous.init_method,
-                            rank=rendezvous.rank, world_size=rendezvous.size,
-                            timeout=timedelta(seconds=rendezvous.timeout_seconds))
+    collective_timeout = timedelta(seconds=rendezvous.timeout_seconds)
+    join_timeout = max(JOIN_TIMEOUT, collective_timeout)
+    dist.init_process_group(backend, rank=rendezvous.rank, world_size=rendezvous.size,
+                            timeout=join_timeout, **_meeting_point(rendezvous, join_timeout))
+    dist.distributed_c10d._set_pg_timeout(collective_timeout)  # joined: collectives' bound
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(rendezvous.rank, rendezvous.size, None, overlap_chunks), control
+
+
+def _meeting_point(rendezvous: Rendezvous, timeout: timedelta) -> dict[str, Any]:
+    """`init_process_group`'s store for a tcp:// rendezvous (rank 0 hosts it, on its reserved
+    socket when `free_port` chose the port), else its `init_method` (env://)."""
+    url = urllib.parse.urlsplit(rendezvous.init_method)
+    if url.scheme != "tcp":
+        return {"init_method": rendezvous.init_method}
+    is_master = rendezvous.rank == 0
+    listener = _reserved_listeners.pop(url.port, None) if is_master else None
+    store = dist.TCPStore(url.hostname, url.port, rendezvous.size, is_master, timeout=timeout,
+                          wait_for_workers=False,
+                          master_listen_fd=None if listener is None else listener.detach())
+    return {"store": store}
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

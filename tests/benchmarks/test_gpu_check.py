@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench import gpu_check
+from benchmarks import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -116,7 +116,7 @@ def test_engine_and_transformers_smoke_runs_agree(tmp_path):
 
 def test_attention_smoke_run_in_the_interpreter(tmp_path):
     # A process of its own: the step switches Triton to its interpreter on a CPU-only machine.
-    command = ["-m", "kvpool.bench.gpu_check", "attention", "--out", str(tmp_path), "--smoke"]
+    command = ["-m", "benchmarks.gpu_check", "attention", "--out", str(tmp_path), "--smoke"]
     result = subprocess.run(
         [sys.executable, *command],
         capture_output=True,
@@ -137,7 +137,7 @@ def test_attention_smoke_run_in_the_interpreter(tmp_path):
 
 
 def gpu_check_sweep_configs():
-    from kvpool.bench.decode_attention import SWEEP_CONFIGS
+    from benchmarks.decode_attention import SWEEP_CONFIGS
 
     return SWEEP_CONFIGS
 

@@ -1,4 +1,5 @@
-"""The vLLM side of `kvpool bench throughput --baseline vllm`, run as a script in vLLM's venv.
+"""The vLLM side of `python -m benchmarks.throughput_baselines --baseline vllm`, run as a script in
+vLLM's venv.
 
     <vllm venv>/bin/python vllm_runner.py PLAN.json RESULT.json
 

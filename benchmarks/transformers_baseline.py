@@ -1,4 +1,5 @@
-"""transformers `generate` as the throughput benchmark's baseline, on the same weights.
+"""transformers `generate` as the throughput benchmark's baseline (`TransformersBaseline`, a
+`kvpool.bench.throughput.Baseline`), on the same weights.
 
 Static batches of `batch_size` prompts in arrival order, left-padded; a batch runs until its
 longest output is done. Only the tokens each request asked for count as output, so the padding
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,23 @@ if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
 
 Request = tuple[list[int], int]  # (prompt token ids, output length)
+
+
+@dataclass(frozen=True)
+class TransformersBaseline:
+    """`generate` in static batches of `batch_size`; any model kvpool loads, dummy included."""
+
+    batch_size: int
+    show_progress: bool
+    name: str = "hf"
+    label: str = "transformers"
+
+    def check(self, config: EngineConfig) -> None:
+        """transformers loads whatever kvpool loads: nothing to check up front."""
+
+    def run(self, config: EngineConfig, runs: Sequence[tuple[str, Sequence[Request]]],
+            kv_cache_bytes: int) -> dict:
+        return run_transformers(config, runs, self.batch_size, self.show_progress)
 
 
 def run_transformers(config: EngineConfig, runs: Sequence[tuple[str, Sequence[Request]]],
@@ -73,7 +92,7 @@ def load_transformers_model(config: EngineConfig):
 
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
     if config.load_format == "dummy":
-        from kvpool.bench.generation import load_dummy_hf_model
+        from benchmarks.generation import load_dummy_hf_model
 
         return load_dummy_hf_model(config.model, dtype, config.seed, config.device)
     path = Path(config.model) if config.model else default_model_path()

@@ -1,6 +1,6 @@
 """The one-call GPU check's Python steps (`scripts/gpu_check.sh` runs each in its own process).
 
-    python -m kvpool.bench.gpu_check STEP --out DIR [--smoke]
+    python -m benchmarks.gpu_check STEP --out DIR [--smoke]
 
 Steps: `bandwidth` (device facts and copy bandwidth), `attention` (decode kernel vs SDPA),
 `engine` (kvpool end to end), `hf` (transformers `generate`, same weights), `summary` (merges
@@ -57,7 +57,7 @@ def _environment() -> dict:
 
 
 def step_bandwidth(args: argparse.Namespace) -> dict:
-    from kvpool.bench.device_timing import copy_bandwidth
+    from benchmarks.device_timing import copy_bandwidth
 
     nbytes = (16 << 20) if args.smoke else (4 << 30)
     return {"environment": _environment(), **copy_bandwidth(_device(), nbytes)}
@@ -68,13 +68,13 @@ def _bandwidth(out_dir: Path, smoke: bool) -> float:
     measured = _read_json(out_dir / "bandwidth.json").get("bytes_per_s")
     if measured:
         return float(measured)
-    from kvpool.bench.device_timing import copy_bandwidth
+    from benchmarks.device_timing import copy_bandwidth
 
     return copy_bandwidth(_device(), (16 << 20) if smoke else (4 << 30))["bytes_per_s"]
 
 
 def step_attention(args: argparse.Namespace) -> dict:
-    from kvpool.bench import decode_attention
+    from benchmarks import decode_attention
     from kvpool.memory.kv_layout import KVLayout
 
     bandwidth = _bandwidth(args.out, args.smoke)
@@ -89,7 +89,7 @@ def step_attention(args: argparse.Namespace) -> dict:
 
 
 def _workload(smoke: bool):
-    from kvpool.bench.generation import Workload
+    from benchmarks.generation import Workload
 
     if smoke:
         return Workload(preset="tiny", batch=3, prompt_len=20, output_len=6, dtype="float32")
@@ -97,14 +97,14 @@ def _workload(smoke: bool):
 
 
 def step_engine(args: argparse.Namespace) -> dict:
-    from kvpool.bench.generation import run_engine
+    from benchmarks.generation import run_engine
 
     bandwidth = _bandwidth(args.out, args.smoke)
     return run_engine(_workload(args.smoke), _device(), args.attention_backend, bandwidth)
 
 
 def step_hf(args: argparse.Namespace) -> dict:
-    from kvpool.bench.generation import run_transformers
+    from benchmarks.generation import run_transformers
 
     return run_transformers(_workload(args.smoke), _device())
 
@@ -223,7 +223,7 @@ STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], dict]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvpool.bench.gpu_check")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check")
     parser.add_argument("step", choices=STEPS)
     parser.add_argument("--out", type=Path, required=True, help="directory for the JSON files")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device")

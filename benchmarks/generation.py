@@ -11,14 +11,14 @@ for the batch's rows, unless tied to the LM head) plus the K/V of every context 
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from kvpool.bench.device_timing import synchronize
+from benchmarks.device_timing import synchronize
+from kvpool.bench.roofline import weight_bytes_read_per_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,19 +50,6 @@ def decode_bound(model_config, weight_bytes: int, workload: Workload, bandwidth:
         "kv_bytes_per_step": kv_bytes,
         "bound_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3,
     }
-
-
-def weight_bytes_read_per_step(model_config, dtype: torch.dtype) -> int:
-    """Every weight but the token-embedding table (read only for the batch's rows), unless the
-    table is also the language-model head."""
-    from kvpool.model.llama import checkpoint_shapes
-
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return sum(
-        math.prod(shape) * element_size
-        for name, shape in checkpoint_shapes(model_config).items()
-        if name != "embed_tokens.weight" or model_config.tie_word_embeddings
-    )
 
 
 def run_engine(

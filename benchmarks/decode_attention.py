@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpool.bench.device_timing import median_seconds
+from benchmarks.device_timing import median_seconds
 from kvpool.memory.kv_layout import KVLayout
 
 FULL_BATCHES = (1, 16, 64, 256)

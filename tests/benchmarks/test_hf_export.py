@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvpool.bench.hf_export import hf_directory_for
+from benchmarks.hf_export import hf_directory_for
 from kvpool.model import default_model_path
 
 

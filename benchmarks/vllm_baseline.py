@@ -1,4 +1,5 @@
-"""vLLM as the throughput benchmark's baseline: the same requests, run in vLLM's own venv.
+"""vLLM as the throughput benchmark's baseline (`VLLMBaseline`, a `kvpool.bench.throughput.
+Baseline`): the same requests, run in vLLM's own venv.
 
 vLLM and kvpool cannot share an environment (vLLM pins its own dependency set), so vLLM runs
 `vllm_runner.py` as a subprocess of the interpreter `make vllm-venv` sets up (`.venv-vllm`),
@@ -17,18 +18,46 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from kvpool.bench.throughput import BaselineUnavailable
 from kvpool.memory.kv_layout import cdiv
+
+if TYPE_CHECKING:
+    from kvpool.bench.throughput import Runs
+    from kvpool.engine.config import EngineConfig
 
 GIB = 1024**3
 DEFAULT_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 
-class BaselineUnavailable(RuntimeError):
-    """The vLLM baseline cannot run here; the message says what to set up."""
+@dataclass(frozen=True)
+class VLLMBaseline:
+    """vLLM on kvpool's requests: the same model (a GGUF as its exported HF directory), dtype,
+    KV dtype (`vllm_kv_cache_dtype`), batch limit and seed, and kvpool's KV budget."""
+
+    python: str | None  # --vllm-python; None: $KVPOOL_VLLM_PYTHON, else .venv-vllm
+    latency_tokens: int
+    name: str = "vllm"
+    label: str = "vLLM"
+
+    def check(self, config: EngineConfig) -> None:
+        if config.load_format == "dummy":
+            raise BaselineUnavailable("--baseline vllm needs real weights (a GGUF file or HF "
+                                      "directory), not --load-format dummy")
+        vllm_python(self.python)
+        hf_model_directory(config.model)
+
+    def run(self, config: EngineConfig, runs: Runs, kv_cache_bytes: int) -> dict:
+        plan = {"model": str(hf_model_directory(config.model)), "dtype": config.dtype,
+                "kv_cache_dtype": vllm_kv_cache_dtype(config.kv_cache_dtype),
+                "max_num_seqs": config.max_num_seqs, "seed": config.seed,
+                "runs": [{"label": label, "requests": requests} for label, requests in runs],
+                "latency_prompt": runs[0][1][0][0], "latency_tokens": self.latency_tokens}
+        return run_vllm(plan, vllm_kv_cache_gib(kv_cache_bytes), vllm_python(self.python))
 
 
 def vllm_python(explicit: str | None = None) -> Path:
@@ -44,7 +73,7 @@ def vllm_python(explicit: str | None = None) -> Path:
 def hf_model_directory(model: str | None) -> Path:
     """What vLLM loads for kvpool's `model`: a HuggingFace directory as is, a GGUF file (the
     bundled default included) as its exported directory."""
-    from kvpool.bench.hf_export import hf_directory_for
+    from benchmarks.hf_export import hf_directory_for
     from kvpool.model import default_model_path
 
     path = Path(model) if model else default_model_path()
@@ -82,20 +111,3 @@ def run_vllm(plan: dict, kv_cache_gib: int, python: Path) -> dict:
     result["kv_cache_gib"] = kv_cache_gib
     return result
 
-
-def compare_tokens(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> dict:
-    """How far two engines' outputs for the same requests agree: identical requests, and the
-    first divergence as (request index, token position), or None when all are identical."""
-    first_divergence = None
-    identical = 0
-    for index, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
-        if list(mine) == list(other):
-            identical += 1
-            continue
-        pairs = zip(mine, other, strict=False)  # a shorter output diverges where it ends
-        position = next((i for i, (a, b) in enumerate(pairs) if a != b),
-                        min(len(mine), len(other)))
-        if first_divergence is None:
-            first_divergence = (index, position)
-    return {"identical_requests": identical, "num_requests": len(ours),
-            "first_divergence": first_divergence}
