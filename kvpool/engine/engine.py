@@ -16,10 +16,11 @@ final only, as each request asks). A step whose model or sampler raises is rolle
 
 KV moves between tiers (`kvpool.memory.kv_tiers`: spills, swaps, reloads from host or disk) by
 copies that scheduling queues and the step runs just before its model (`before_step`); the
-blocks a step published are written through to the disk tier after it (`after_step`), and,
-with `kv_events_config`, what it changed in the prefix caches goes out as one numbered batch
-of KV events (`kvpool.engine.kv_events`). `close()` (also at garbage collection and exit)
-finishes the copies and the disk's writes.
+blocks a step published are written through to the disk tier after it, and, with
+`kv_events_config`, what it changed in the prefix caches goes out as one numbered batch of KV
+events (`kvpool.engine.kv_events`): both hear `step_ended` on the KV listeners
+(`kvpool.memory.kv_listener`), as does the `--kv-trace` recorder. `close()` (also at garbage
+collection and exit) finishes the copies and the disk's writes.
 
 KV memory (`KVMemory`) resizes (an elastic pool grows or migrates blocks and shrinks) only at
 the top of a step, before anything is scheduled: no slot mapping or block copy is in flight
@@ -114,7 +115,7 @@ class LLMEngine:
         self.reset_stats()
         self.warmup_seconds = warm_up(self) if config.enable_warmup else 0.0
         if config.kv_trace is not None:
-            self.kv_recorder = KVRecorder.start(config.kv_trace, self.kv_memory, kv_manager)
+            self.kv_recorder = KVRecorder.start(config.kv_trace, self.kv_memory)
             weakref.finalize(self, self.kv_recorder.close)
         self.kv_events = start_kv_events(config.kv_events_config, self.kv_memory, self)
 
@@ -213,15 +214,12 @@ class LLMEngine:
         clock.lap("schedule")
         sampled = self._execute_and_sample(batch, clock)
         changed = self.scheduler.update(batch, sampled)
-        self.kv_tiers.after_step()  # what this step published, written through to disk
-        if self.kv_events is not None:  # this step's KV events, numbered and published
-            self.kv_events.drain()
         pool = self.kv_memory.pool
         self.kv_rates.sample(pool.now, *pool.allocation_counters())
         clock.lap("sample")
         outputs = self._make_outputs(changed)
-        if self.kv_recorder is not None:
-            self.kv_recorder.end_step(pool, self._num_steps)
+        # The KV listeners: events drained and published, the trace's step line, write-through.
+        self.kv_memory.listeners.step_ended(self._num_steps)
         clock.lap("output")
         return outputs
 

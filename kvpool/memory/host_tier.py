@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.block_pool import HOST, BlockPool
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 
@@ -49,7 +49,7 @@ class HostKVTier:
         if num_blocks < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_blocks}")
         self.layout = layout
-        self.pool = BlockPool(num_blocks, layout, enable_prefix_caching=True)
+        self.pool = BlockPool(num_blocks, layout, enable_prefix_caching=True, medium=HOST)
         self.kv_cache = KVCache(layout, num_blocks + 1, "cpu", pin_memory=pin_memory)
         self.is_pinned = pin_memory
 

@@ -9,6 +9,8 @@
       sizing      StaticKVPool (never resizes) or ElasticKVPool (segments grow and shrink)
       tiers       KVTiers: the host, disk and shared (Redis) tiers below the pool, and the
                   copies between them (`kvpool.memory.kv_tiers`; with no tier, nothing moves)
+      listeners   the device side's listener fan-out (`kvpool.memory.kv_listener`): the
+                  pool, its sizing, the tiers and the KV cache manager emit on it
 
 Everything above it (the KV cache manager, the engine, warm-up, the async engine's snapshots)
 reaches KV memory through this object only: its queries (`max_num_blocks`, `can_ever_fit`),
@@ -34,6 +36,7 @@ from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
 from kvpool.memory.host_tier import HostKVTier
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_listener import KVListeners
 from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
 from kvpool.memory.kv_tiers import KVTiers
 from kvpool.memory.redis_tier import RedisKVTier
@@ -85,6 +88,12 @@ class KVMemory:
         self.tiers = KVTiers(self.pool, self.kv_cache, host, disk, shared)
 
     # ----------------------------------------------------------------- queries
+    @property
+    def listeners(self) -> KVListeners:
+        """The device pool's fan-out: register a listener here once to hear the device side
+        (the host pool's own fan-out is `tiers.host.pool.listeners`)."""
+        return self.pool.listeners
+
     @property
     def max_num_blocks(self) -> int:
         """Blocks the pool holds at its largest: what a single sequence can ever use."""

@@ -8,7 +8,8 @@ and what moves between them.
         └──────reload──────────┴── from host, disk or shared     (a prefix hit below the device)
     device pool ◀──swap-in── host tier ◀──swap-out── device      (a preempted sequence's blocks)
 
-- Spill: a cached block the device evicts (`evicted`, a `TierHooks` call) is copied to a host
+- Spill: a cached block the device evicts (`block_evicted`: the tiers are a `KVListener` on
+  the device pool, registered once, as reacting) is copied to a host
   block that joins the host's prefix cache under the same hash; a block the host evicts in turn
   goes to disk unless the disk already has it.
 - Write-through: every block the device publishes is written to disk and to the shared tier
@@ -40,6 +41,7 @@ from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.disk_tier import DiskKVTier, DiskTierStats
 from kvpool.memory.host_tier import HostKVTier, HostTierStats
 from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.kv_listener import KVListener
 from kvpool.memory.kv_transfer import KVTransfers
 from kvpool.memory.prefix_cache import BlockHash, CachedBlock
 from kvpool.memory.redis_tier import RedisKVTier, SharedTierStats
@@ -62,7 +64,7 @@ class KVTierStats:
     bytes_per_block: int
 
 
-class KVTiers:
+class KVTiers(KVListener):
     """Spill, write-through, reload and swap between a device pool and the tiers below it."""
 
     def __init__(self, device_pool: BlockPool, device_cache: KVCache,
@@ -77,11 +79,10 @@ class KVTiers:
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
                                      host.pool.free if host else _nothing_to_release)
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
-        self.on_spill: Callable[[int], None] | None = None  # told of each spill (a recorder)
         if host is not None or disk is not None or shared is not None:
-            device_pool.tier_hooks = self
+            device_pool.listeners.add(self, reacts=True)
         if host is not None and disk is not None:
-            host.pool.tier_hooks = _HostToDisk(host, disk)
+            host.pool.listeners.add(_HostToDisk(host, disk), reacts=True)
         self.reset_counters()
 
     @property
@@ -93,15 +94,18 @@ class KVTiers:
         self._num_dropped_spills = 0
         self._num_reloaded = dict.fromkeys(TIERS[1:], 0)
 
-    # ------------------------------------------------------- device pool hooks
-    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+    # --------------------------------------------------- device pool listener
+    def block_stored(self, medium: str, block_id: int, block_hash: BlockHash,
+                     parent_hash: BlockHash | None, token_ids: Sequence[int]) -> None:
         if self.disk is not None or self.shared is not None:
             self._to_write.append((block_id, block_hash, tuple(token_ids)))
 
-    def evicted(self, block_id: int, entry: CachedBlock) -> None:
-        """Spill the evicted block to the host tier (module docstring)."""
+    def block_evicted(self, medium: str, block_id: int, entry: CachedBlock,
+                      is_kv_intact: bool) -> None:
+        """Spill the evicted block to the host tier (module docstring); not a block whose KV
+        an elastic shrink overwrites now."""
         host = self.host
-        if host is None:
+        if host is None or not is_kv_intact:
             return
         cached_id = host.pool.prefix_cache.lookup(entry.block_hash, entry.token_ids)
         if cached_id is not None:  # already spilled once: only its recency changes
@@ -116,8 +120,7 @@ class KVTiers:
         host.pool.publish(host_id, entry.block_hash, entry.token_ids)
         self.transfers.device_to_host([block_id], [host_id], hold=True)
         self._num_spilled += 1
-        if self.on_spill is not None:
-            self.on_spill(block_id)
+        self.device_pool.listeners.block_spilled(block_id)
 
     # ---------------------------------------------------------------- reload
     def find_below(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
@@ -178,6 +181,9 @@ class KVTiers:
         """Run the queued copies (before the step's model); `written_block_ids()`: the device
         blocks the step writes (`KVTransfers.run`)."""
         self.transfers.run(written_block_ids)
+
+    def step_ended(self, next_step: int) -> None:
+        self.after_step()
 
     def after_step(self) -> None:
         """Write the blocks the step published through to disk and the shared tier (off the
@@ -249,17 +255,15 @@ class KVTiers:
                 tier.check_invariants()
 
 
-class _HostToDisk:
-    """The host pool's hooks: a spilled block the host evicts goes to disk if not there."""
+class _HostToDisk(KVListener):
+    """The host pool's listener: a spilled block the host evicts goes to disk if not there."""
 
     def __init__(self, host: HostKVTier, disk: DiskKVTier) -> None:
         self.host = host
         self.disk = disk
 
-    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        return None
-
-    def evicted(self, block_id: int, entry: CachedBlock) -> None:
+    def block_evicted(self, medium: str, block_id: int, entry: CachedBlock,
+                      is_kv_intact: bool) -> None:
         if not self.disk.contains(entry.block_hash):
             _write_host_block(self.host, block_id, self.disk, entry)
 
