@@ -14,7 +14,7 @@ output processor turns every request that changed into a `RequestOutput` (cumula
 final only, as each request asks). A step whose model or sampler raises is rolled back
 (`Scheduler.roll_back`) before the error propagates, so the engine can go on.
 
-KV moves between tiers (`kvpool.memory.kv_tiers`: spills, swaps, reloads from host or disk) by
+KV moves between tiers (`kvpool.memory.tiers.kv_tiers`: spills, swaps, reloads from host or disk) by
 copies that scheduling queues and the step runs just before its model (`before_step`); the
 blocks a step published are written through to the disk tier after it, and, with
 `kv_events_config`, what it changed in the prefix caches goes out as one numbered batch of KV
@@ -64,10 +64,10 @@ from kvpool.engine.warmup import warm_up
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
-from kvpool.memory.kv_tiers import KVTierStats
 from kvpool.memory.pool_rates import PoolRateWindow
 from kvpool.memory.pool_snapshot import KVSnapshot
 from kvpool.memory.prefix_cache import hash_full_blocks
+from kvpool.memory.tiers.kv_tiers import KVTierStats
 from kvpool.model.flops import prefill_flops
 
 PromptInput = str | SequenceOf[int] | dict

@@ -12,7 +12,7 @@ then the shared tier in Redis (`KVTiers.find_below`), block by block while the h
 matches. Disk and shared blocks are read and validated once the admission is known to fit (so
 a sequence that waits, re-planned every step, fetches no block's bytes); what is found below
 the device is copied into new device blocks before the step's model runs, and counted per tier
-(`kvpool.memory.kv_tiers.TIERS`).
+(`kvpool.memory.tiers.kv_tiers.TIERS`).
 
 Admission is planned once and carried out with the same prefix match: `plan_admission` looks
 the waiting sequence's block hashes up in the prefix cache (no hashing: the sequence keeps its
@@ -43,9 +43,9 @@ from kvpool.engine.sequence import Sequence
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_memory import KVMemory
-from kvpool.memory.kv_tiers import TIERS
 from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
-from kvpool.memory.tier_match import TierMatch
+from kvpool.memory.tiers.kv_tiers import TIERS
+from kvpool.memory.tiers.tier_match import TierMatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,9 @@
                   and for int8 / fp8 its scale pool beside it (same block ids)
       pool        BlockPool (static) or ResizableBlockPool (elastic) of block ids
       sizing      StaticKVPool (never resizes) or ElasticKVPool (segments grow and shrink)
-      tiers       KVTiers: the host, disk and shared (Redis) tiers below the pool, and the
-                  copies between them (`kvpool.memory.kv_tiers`; with no tier, nothing moves)
+      tiers       KVTiers: the host, disk and shared (Redis) tiers below the pool, an ordered
+                  list, and the copies between them (`kvpool.memory.tiers`; with no tier,
+                  nothing moves)
       listeners   the device side's listener fan-out (`kvpool.memory.kv_listener`): the
                   pool, its sizing, the tiers and the KV cache manager emit on it
 
@@ -31,16 +32,16 @@ from kvpool.memory.arena_free_list import align_up
 from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
-from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
-from kvpool.memory.host_tier import HostKVTier
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_listener import KVListeners
 from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
-from kvpool.memory.kv_tiers import KVTiers
-from kvpool.memory.redis_tier import RedisKVTier
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
+from kvpool.memory.tiers.disk_tier import DiskKVTier
+from kvpool.memory.tiers.host_tier import HostKVTier
+from kvpool.memory.tiers.kv_tiers import KVTiers
+from kvpool.memory.tiers.redis_tier import RedisKVTier
 
 
 class KVMemory:
@@ -85,7 +86,8 @@ class KVMemory:
             self.sizing = ElasticKVPool(self.pool, self.kv_cache, self.arena, elastic)
         host = HostKVTier.for_budget(layout, host_num_bytes,
                                      pin_memory=torch.device(device).type == "cuda")
-        self.tiers = KVTiers(self.pool, self.kv_cache, host, disk, shared)
+        lower = [tier for tier in (host, disk, shared) if tier is not None]  # nearest first
+        self.tiers = KVTiers(self.pool, self.kv_cache, lower)
 
     # ----------------------------------------------------------------- queries
     @property
