@@ -39,8 +39,7 @@ def run_batch(engine, requests: list[tuple[list[int], int]], trace_path: Path | 
     engine.reset_stats()
     start = time.perf_counter()
     if trace_path is not None:
-        engine.kv_recorder = KVRecorder.start(str(trace_path), engine.kv_memory,
-                                              engine.scheduler.kv)
+        engine.kv_recorder = KVRecorder.start(str(trace_path), engine.kv_memory)
     ids = [engine.add_request({"prompt_token_ids": prompt},
                               SamplingParams(temperature=0, max_tokens=num_output,
                                              ignore_eos=True)).request_id

@@ -37,8 +37,8 @@ from kvpool.engine.request_stream import RequestStream
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.kv_pool import KVPoolStats
-from kvpool.memory.kv_tiers import KVTierStats
 from kvpool.memory.pool_snapshot import KVSnapshot
+from kvpool.memory.tiers.kv_tiers import KVTierStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -38,7 +38,7 @@ class EngineConfig:
     `kv_cache_dtype` is the KV cache's storage dtype: "auto" (the model's), a float dtype, or
     the quantized "int8", "fp8" (= "fp8_e4m3") and "fp8_e5m2" (`kvpool.memory.kv_quant`).
 
-    Tiers below the device pool (`kvpool.memory.kv_tiers`): `swap_space` GiB of host memory
+    Tiers below the device pool (`kvpool.memory.tiers.kv_tiers`): `swap_space` GiB of host memory
     (page-locked on CUDA; 0: no host tier) hold swapped-out sequences and prefix blocks the
     device evicts; `kv_disk_cache` names a directory where full prefix blocks are kept across
     restarts, up to `kv_disk_cache_size` bytes. `preemption_mode` says what a preempted
@@ -67,7 +67,7 @@ class EngineConfig:
 
     Scale-out (docs/scale-out.md): `kv_shared_redis` ("redis://host:port/db") is a KV tier
     shared by every replica that names the same Redis, below the host and disk tiers and above
-    recompute (`kvpool.memory.redis_tier`); a Redis call slower than `kv_shared_redis_timeout`
+    recompute (`kvpool.memory.tiers.redis_tier`); a Redis call slower than `kv_shared_redis_timeout`
     seconds counts as Redis being down, and the engine carries on without the tier until it
     is back. `kv_events_config` (vLLM's option; a dict or its JSON text is accepted) publishes
     the engine's block stored / removed / cleared events for a prefix-aware router

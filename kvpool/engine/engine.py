@@ -15,11 +15,14 @@ output processor turns every request that changed into a `RequestOutput` (cumula
 final only, as each request asks). A step whose model or sampler raises is rolled back
 (`Scheduler.roll_back`) before the error propagates, so the engine can go on.
 
-KV moves between tiers (`kvpool.memory.kv_tiers`: spills, swaps, reloads from host or disk) by
-copies that scheduling queues and the step runs just before its model (`before_step`); the
-blocks a step published are written through to the disk tier after it (`after_step`), and,
-with `kv_events_config`, what it changed in the prefix caches goes out as one numbered batch
-of KV events (`kvpool.engine.kv_events`). `close()` (also at garbage collection and exit)
+KV moves between tiers (`kvpool.memory.tiers`: spills, swaps, reloads from host, disk or
+Redis) by copies that scheduling queues and the step runs just before its model
+(`before_step`). Everything else that follows KV memory is a listener on its one fan-out
+(`kvpool.memory.kv_listener`), told of each request's arrival and end and of each step's end:
+the tiers write the blocks a step published through to disk and Redis, the KV event log
+(`kv_events_config`) numbers and publishes what the step changed in the prefix caches, the
+`--kv-trace` recorder writes its lines, and the pool's rate window samples its counters. The
+engine never branches on which of them exist. `close()` (also at garbage collection and exit)
 finishes the copies and the disk's writes.
 
 KV memory (`KVMemory`) resizes (an elastic pool grows or migrates blocks and shrinks) only at
@@ -58,9 +61,8 @@ from kvpool.engine.warmup import warm_up
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
-from kvpool.memory.kv_tiers import KVTiers, KVTierStats
-from kvpool.memory.pool_rates import PoolRateWindow
 from kvpool.memory.pool_snapshot import KVSnapshot
+from kvpool.memory.tiers.kv_tiers import KVTiers, KVTierStats
 from kvpool.model.flops import prefill_flops
 
 __all__ = ["LLMEngine", "PromptInput"]
@@ -81,7 +83,6 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
-        self.kv_rates = PoolRateWindow()  # the device pool's alloc/free rates, for snapshots
         self.kv_recorder: KVRecorder | None = None  # --kv-trace: after the warm-up, not in it
         self.kv_events: KVEventLog | None = None  # kv_events_config: after the warm-up too
         # Finishes the tiers' copies and writes, then stops tensor parallelism's other ranks:
@@ -113,8 +114,7 @@ class LLMEngine:
     def _start_observers(self) -> None:
         """The KV trace and the KV events, which hear only what follows the warm-up."""
         if self.config.kv_trace is not None:
-            self.kv_recorder = KVRecorder.start(self.config.kv_trace, self.kv_memory,
-                                                self.scheduler.kv)
+            self.kv_recorder = KVRecorder.start(self.config.kv_trace, self.kv_memory)
             weakref.finalize(self, self.kv_recorder.close)
         self.kv_events = start_kv_events(self.config.kv_events_config, self.kv_memory, self)
 
@@ -170,8 +170,7 @@ class LLMEngine:
             raise ValueError(f"cannot reset with {len(self.requests)} unfinished requests")
         self.step_stats.reset()
         self.scheduler.reset_counters()
-        self.kv_memory.reset()
-        self.kv_rates.clear()
+        self.kv_memory.reset()  # the listeners hear it (pool_cleared)
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -188,9 +187,9 @@ class LLMEngine:
         ahead, off the step loop, do: the async engine, the server)."""
         request, block_hashes = self.intake.make_request(prompt, params, request_id, priority,
                                                          cache_salt, self.requests)
-        if self.kv_recorder is not None:
-            self.kv_recorder.arrive(request.request_id, len(request.prompt_token_ids),
-                                    request.params.n, block_hashes)
+        self.kv_memory.listeners.request_arrived(request.request_id,
+                                                 len(request.prompt_token_ids),
+                                                 request.params.n, block_hashes)
         self.scheduler.add_request(request, block_hashes)
         self.requests[request.request_id] = request
         self.step_stats.num_prompt_tokens += len(request.prompt_token_ids)
@@ -205,8 +204,7 @@ class LLMEngine:
         for seq in request.sequences:
             self.scheduler.finish(seq, FinishReason.ABORT)
         request.finish_time = time.monotonic()
-        if self.kv_recorder is not None:
-            self.kv_recorder.finish(request, str(FinishReason.ABORT))
+        self._tell_finished(request, FinishReason.ABORT)
         return self.outputs.make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -225,18 +223,15 @@ class LLMEngine:
         clock.lap("schedule")
         sampled = self._execute_and_sample(batch, clock)
         changed = self.scheduler.update(batch, sampled)
-        self._after_update()
         clock.lap("sample")
         outputs = self._make_outputs(changed)
-        self._end_step()
+        self.kv_memory.listeners.step_ended(self.step_stats.num_steps)
         clock.lap("output")
         return outputs
 
     def _start_step(self) -> PhaseClock:
         """Stamp the pools' clocks and resize KV memory, before anything is scheduled."""
         clock = self.step_stats.clock()
-        if self.kv_recorder is not None:
-            self.kv_recorder.step = self.step_stats.num_steps
         self._set_pool_clocks(time.monotonic())
         self.resize_kv_pool()
         return clock
@@ -262,15 +257,6 @@ class LLMEngine:
                                          len(sampled.token_ids))
         return sampled
 
-    def _after_update(self) -> None:
-        """What the step published, written through to disk and the shared tier; its KV
-        events numbered and published; the pool's alloc/free rates sampled."""
-        self.kv_tiers.after_step()
-        if self.kv_events is not None:
-            self.kv_events.drain()
-        pool = self.kv_memory.pool
-        self.kv_rates.sample(pool.now, *pool.allocation_counters())
-
     def _make_outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
@@ -280,23 +266,27 @@ class LLMEngine:
             if request.is_finished:
                 request.finish_time = now
                 self.requests.pop(request.request_id, None)
-                if self.kv_recorder is not None:
-                    self.kv_recorder.finish(request)
+                self._tell_finished(request)
             output = self.outputs.make_output(request)
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _end_step(self) -> None:
-        if self.kv_recorder is not None:
-            self.kv_recorder.end_step(self.kv_memory.pool, self.step_stats.num_steps)
+    def _tell_finished(self, request: Request, why: FinishReason | None = None) -> None:
+        """The listeners hear of a finished request: its longest completion's length and
+        (unless `why` says, e.g. abort) that completion's finish reason."""
+        longest = max(request.sequences, key=lambda seq: len(seq.output_token_ids))
+        reason = why if why is not None else longest.finish_reason
+        self.kv_memory.listeners.request_finished(request.request_id,
+                                                  len(longest.output_token_ids), str(reason))
 
     # ------------------------------------------------------------ KV pool
     def _set_pool_clocks(self, now: float) -> None:
         """The pools stamp blocks with this time as they change hands (their last-use age)."""
         self.kv_memory.pool.now = now
-        if self.kv_tiers.host is not None:
-            self.kv_tiers.host.pool.now = now
+        for tier in self.kv_tiers.tiers:
+            if tier.pool is not None:
+                tier.pool.now = now
 
     def resize_kv_pool(self) -> None:
         """Let KV memory grow or give memory back now. `step()` does this first; an idle
@@ -331,7 +321,7 @@ class LLMEngine:
         self._set_pool_clocks(time.monotonic())
         return take_kv_snapshot(self.kv_memory, self.requests.values(),
                                 self.scheduler.kv.swapped_host_blocks,
-                                self.step_stats.num_steps, self.kv_rates.rates())
+                                self.step_stats.num_steps, self.kv_memory.rates.rates())
 
     def kv_tier_stats(self) -> KVTierStats:
         """The host and disk tiers: their blocks, spills, reloads and swaps."""

@@ -22,13 +22,21 @@ import logging
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import zmq
 
-from kvpool.engine.kv_events import DEVICE, HOST, KVEventBatch, KVEventLog, encode_message
+from kvpool.engine.kv_events import (
+    EventPublisher,
+    KVEventBatch,
+    KVEventLog,
+    PublisherStats,
+    encode_message,
+)
 from kvpool.engine.kv_events_config import KVEventsConfig
+
+__all__ = ["EventPublisher", "NullEventPublisher", "PublisherStats", "ZmqEventPublisher",
+           "make_publisher", "start_kv_events"]
 
 if TYPE_CHECKING:
     from kvpool.memory.kv_memory import KVMemory
@@ -37,24 +45,6 @@ logger = logging.getLogger(__name__)
 
 BIND_TIMEOUT_SECONDS = 10.0
 CLOSE_LINGER_MS = 500  # how long close() lets the socket flush what it sent
-
-
-@dataclass(frozen=True, slots=True)
-class PublisherStats:
-    num_batches_published: int
-    num_events_published: int
-    num_batches_dropped: int  # the queue was full (oldest dropped), or published after close
-
-
-class EventPublisher(Protocol):
-    name: str  # the config's `publisher`
-    endpoint: str | None  # the address bound (zmq.LAST_ENDPOINT); None: nothing bound
-
-    def publish(self, seq: int, batch: KVEventBatch) -> None: ...
-
-    def stats(self) -> PublisherStats: ...
-
-    def close(self) -> None: ...
 
 
 class NullEventPublisher:
@@ -176,9 +166,9 @@ def start_kv_events(config: KVEventsConfig | None, kv_memory: KVMemory,
     if config is None or not config.is_enabled:
         return None
     log = KVEventLog(config, kv_memory.layout.block_size, make_publisher(config))
-    log.attach(kv_memory.pool, DEVICE)
+    log.attach(kv_memory.pool)
     if kv_memory.tiers.host is not None:
-        log.attach(kv_memory.tiers.host.pool, HOST)
+        log.attach(kv_memory.tiers.host.pool)
     weakref.finalize(owner, log.publisher.close)
     logger.info("KV events: publishing to %s, topic %r", log.publisher.endpoint or "nowhere",
                 config.topic)

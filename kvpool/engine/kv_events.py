@@ -23,9 +23,10 @@ Block hashes are `kvpool.memory.prefix_cache`'s 32-byte salted chain; `medium` n
 or a host block whose parent this log never heard of), each later hash chains on the one
 before, and `token_ids` are the run's tokens, `block_size` per block.
 
-`KVEventLog`, the engine's side, hears each attached pool (`BlockPool.event_log`, a
-`PoolEvents`): every block published into its prefix cache, every hashed block evicted (for
-reuse, or by an elastic shrink) and every reset. Invariants:
+`KVEventLog`, the engine's side, is a `KVListener` (`kvpool.memory.kv_listener`) registered on
+each attached pool's fan-out: it hears every block published into its prefix cache, every hashed
+block evicted (for reuse, or by an elastic shrink) and every reset, each with the pool's medium.
+Invariants:
 - `seq` is the number of non-empty batches drained: 1 for the first, per engine.
 - Applying every drained batch, in order, to empty per-medium sets gives exactly the hashes
   the attached pools' prefix caches hold as of the last drain; `snapshot` drains first, so
@@ -39,19 +40,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
 from kvpool.engine.kv_events_config import KVEventsConfig
-from kvpool.memory.prefix_cache import BlockHash
+from kvpool.memory.block_pool import DEVICE, HOST, BlockPool
+from kvpool.memory.kv_listener import KVListener
+from kvpool.memory.prefix_cache import BlockHash, CachedBlock
 
-if TYPE_CHECKING:
-    from kvpool.engine.kv_event_publisher import EventPublisher
-    from kvpool.memory.block_pool import BlockPool
-
-DEVICE = "device"
-HOST = "host"
+__all__ = ["DEVICE", "HOST", "AllBlocksCleared", "BlockRemoved", "BlockStored",
+           "EventPublisher", "EventSnapshot", "KVEventBatch", "KVEventLog", "PublisherStats",
+           "decode_message", "encode_message"]
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -110,27 +110,24 @@ class EventSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolEvents:
-    """One pool's line to the log (`BlockPool.event_log`): the pool's medium is fixed."""
-
-    log: KVEventLog
-    medium: str
-
-    def stored(self, block_hash: BlockHash, parent_hash: BlockHash | None,
-               token_ids: Sequence[int]) -> None:
-        """A full block entered the pool's prefix cache."""
-        self.log.stored(self.medium, block_hash, parent_hash, token_ids)
-
-    def removed(self, block_hash: BlockHash) -> None:
-        """A hashed block left the pool's prefix cache."""
-        self.log.removed(self.medium, block_hash)
-
-    def cleared(self) -> None:
-        """The pool is about to drop every hash it holds (a reset)."""
-        self.log.cleared(self.medium)
+class PublisherStats:
+    num_batches_published: int
+    num_events_published: int
+    num_batches_dropped: int  # the queue was full (oldest dropped), or published after close
 
 
-class KVEventLog:
+class EventPublisher(Protocol):
+    name: str  # the config's `publisher`
+    endpoint: str | None  # the address bound (zmq.LAST_ENDPOINT); None: nothing bound
+
+    def publish(self, seq: int, batch: KVEventBatch) -> None: ...
+
+    def stats(self) -> PublisherStats: ...
+
+    def close(self) -> None: ...
+
+
+class KVEventLog(KVListener):
     """One engine's KV events: the batch the current step builds, numbered at `drain`."""
 
     def __init__(self, config: KVEventsConfig, block_size: int,
@@ -144,15 +141,15 @@ class KVEventLog:
         self._parent_by_hash: dict[BlockHash, BlockHash | None] = {}
         self._removed: list[BlockHash] = []  # since the last drain: candidates to prune
 
-    def attach(self, pool: BlockPool, medium: str) -> None:
-        """Hear `pool` from now on, as tier `medium`."""
-        assert medium not in self._pools, f"a {medium} pool is already attached"
-        self._pools[medium] = pool
-        pool.event_log = PoolEvents(self, medium)
+    def attach(self, pool: BlockPool) -> None:
+        """Hear `pool` from now on, as tier `pool.medium` (one pool per medium)."""
+        assert pool.medium not in self._pools, f"a {pool.medium} pool is already attached"
+        self._pools[pool.medium] = pool
+        pool.listeners.add(self)
 
     # ------------------------------------------------------------ the pools' side
-    def stored(self, medium: str, block_hash: BlockHash, parent_hash: BlockHash | None,
-               token_ids: Sequence[int]) -> None:
+    def block_stored(self, medium: str, block_id: int, block_hash: BlockHash,
+                     parent_hash: BlockHash | None, token_ids: Sequence[int]) -> None:
         if parent_hash is None:  # a first block, or a spill: the parent it was published with
             parent_hash = self._parent_by_hash.get(block_hash)
         self._parent_by_hash[block_hash] = parent_hash
@@ -166,7 +163,14 @@ class KVEventLog:
         events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size,
                                   None, medium))
 
-    def removed(self, medium: str, block_hash: BlockHash) -> None:
+    def block_evicted(self, medium: str, block_id: int, entry: CachedBlock,
+                      is_kv_intact: bool) -> None:
+        self._removed_from(medium, entry.block_hash)
+
+    def block_removed(self, medium: str, block_id: int, block_hash: BlockHash) -> None:
+        self._removed_from(medium, block_hash)
+
+    def _removed_from(self, medium: str, block_hash: BlockHash) -> None:
         self._removed.append(block_hash)
         events = self._events
         last = events[-1] if events else None
@@ -175,13 +179,13 @@ class KVEventLog:
         else:
             events.append(BlockRemoved([block_hash], medium))
 
-    def cleared(self, medium: str) -> None:
+    def pool_cleared(self, medium: str) -> None:
         """AllBlocksCleared when every other tier is empty too, else this tier's removals
         (a consumer clears a replica's every tier on AllBlocksCleared)."""
         others = [pool for name, pool in self._pools.items() if name != medium]
         if any(len(pool.prefix_cache) for pool in others):
             for block_hash in list(self._pools[medium].prefix_cache.block_hashes()):
-                self.removed(medium, block_hash)
+                self._removed_from(medium, block_hash)
             return
         if not self._events or type(self._events[-1]) is not AllBlocksCleared:
             self._events.append(AllBlocksCleared())
@@ -189,6 +193,9 @@ class KVEventLog:
         self._removed.clear()
 
     # ------------------------------------------------------------ the engine's side
+    def step_ended(self, next_step: int) -> None:
+        self.drain()
+
     def drain(self) -> None:
         """Number the step's batch and hand it to the publisher (nothing when empty)."""
         if not self._events:
@@ -206,9 +213,13 @@ class KVEventLog:
         return EventSnapshot(self.seq, blocks)
 
     def close(self) -> None:
-        """Publish what is pending, then close the publisher (idempotent)."""
+        """Publish what is pending, close the publisher and stop hearing the pools
+        (idempotent)."""
         self.drain()
         self.publisher.close()
+        for pool in self._pools.values():
+            if self in pool.listeners:
+                pool.listeners.remove(self)
 
     def _prune_parents(self) -> None:
         removed, self._removed = self._removed, []

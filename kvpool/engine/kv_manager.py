@@ -12,7 +12,7 @@ then the shared tier in Redis (`KVTiers.find_below`), block by block while the h
 matches. Disk and shared blocks are read and validated once the admission is known to fit (so
 a sequence that waits, re-planned every step, fetches no block's bytes); what is found below
 the device is copied into new device blocks before the step's model runs, and counted per tier
-(`kvpool.memory.kv_tiers.TIERS`).
+(`kvpool.memory.tiers.kv_tiers.TIERS`).
 
 Admission is planned once and carried out with the same prefix match: `plan_admission` looks
 the waiting sequence's block hashes up in the prefix cache (no hashing: the sequence keeps its
@@ -27,16 +27,15 @@ Before it reports that blocks do not fit, the manager asks KV memory to grow
 preempting a sequence or refusing admission. A static pool never grows, so this costs it
 nothing. Growing only adds blocks; nothing already placed moves.
 
-With `--kv-trace`, `recorder` (`kvpool.engine.kv_recorder`) hears of every reference a
-sequence's table takes or drops: hits, new blocks, copies-on-write, forks, frees, preemptions
-and swap-ins. Without it (None) each of those calls pays one attribute test.
+The device side's listeners (`KVMemory.listeners`, `kvpool.memory.kv_listener`; the
+`--kv-trace` recorder) hear of every reference a sequence's table takes or drops: hits, new
+blocks, copies-on-write, forks, frees, preemptions and swap-ins, one fan-out call each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
 from kvpool.engine.prompt_logprobs import pending_positions
@@ -44,12 +43,9 @@ from kvpool.engine.sequence import Sequence
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_memory import KVMemory
-from kvpool.memory.kv_tiers import TIERS
 from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
-from kvpool.memory.tier_match import TierMatch
-
-if TYPE_CHECKING:
-    from kvpool.engine.kv_recorder import KVRecorder
+from kvpool.memory.tiers.kv_tiers import TIERS
+from kvpool.memory.tiers.tier_match import TierMatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +85,7 @@ class KVCacheManager:
                                                  lambda num_tokens: 0.0)
         self.counters = SwapCounters()
         self._swapped: dict[int, list[int]] = {}  # seq_id -> the host blocks it owns
-        self.recorder: KVRecorder | None = None  # the --kv-trace recorder, when tracing
+        self.listeners = memory.listeners
 
     def new_block_table(self, cache_salt: str | None) -> BlockTable:
         return BlockTable(self.pool, cache_salt)
@@ -158,8 +154,7 @@ class KVCacheManager:
             self._swap_in(seq, plan)
         else:
             served = self._take_cached_prefix(seq, plan)
-        if self.recorder is not None:
-            self._record_admission(seq, plan, served)
+        self._report_admission(seq, plan, served)
         start = seq.num_computed_tokens
         return self.append_slots(seq, seq.token_ids(start, start + plan.num_new_tokens))
 
@@ -183,24 +178,26 @@ class KVCacheManager:
                 self.counters.cached_tokens_by_tier[tier] += num_tokens
         return counts
 
-    def _record_admission(self, seq: Sequence, plan: AdmissionPlan,
+    def _report_admission(self, seq: Sequence, plan: AdmissionPlan,
                           served: dict[str, int] | None) -> None:
         """The admission's events before its first chunk's slots: a hit for the blocks
         retaken from the device's prefix cache, then the blocks newly taken, as copies from
         the tiers below (alloc) or of its own swapped-out blocks (swap_in; `served` None)."""
-        recorder, block_ids = self.recorder, seq.block_table.block_ids
+        listeners, block_ids = self.listeners, seq.block_table.block_ids
+        request_id, index = seq.request.request_id, seq.index
         num_reused = len(plan.prefix.block_ids)
         if served is None:
             if num_reused:
-                recorder.hit(seq, block_ids[:num_reused], plan.prefix.num_cached_tokens, None)
-            recorder.swap_in(seq, block_ids[num_reused:])
+                listeners.prefix_hit(request_id, index, block_ids[:num_reused],
+                                     plan.prefix.num_cached_tokens, None)
+            listeners.sequence_swapped_in(request_id, index, block_ids[num_reused:])
             return
         if plan.num_cached_tokens:
             below = {tier: served.get(tier, 0) for tier in TIERS[1:]}
-            recorder.hit(seq, block_ids[:num_reused], plan.num_cached_tokens,
-                         below if any(below.values()) else None)
+            listeners.prefix_hit(request_id, index, block_ids[:num_reused],
+                                 plan.num_cached_tokens, below if any(below.values()) else None)
         if len(block_ids) > num_reused:
-            recorder.alloc(seq, block_ids[num_reused:])
+            listeners.blocks_allocated(request_id, index, block_ids[num_reused:])
 
     def _swap_in(self, seq: Sequence, plan: AdmissionPlan) -> None:
         """The device-cached leading blocks retaken, new device blocks for the rest with the
@@ -220,16 +217,15 @@ class KVCacheManager:
     def append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
         """Slots for `new_token_ids`, the sequence's next uncomputed tokens, growing KV memory
         if it must; OutOfBlocksError (it cannot grow enough) changes nothing."""
-        recorder = self.recorder
-        if recorder is None:
-            return self._append_slots(seq, new_token_ids)
-        num_blocks = seq.block_table.num_blocks
+        table = seq.block_table
+        num_blocks = table.num_blocks
         copies = self._append_slots(seq, new_token_ids)
         for copy in copies:
-            recorder.cow(seq, copy)
-        block_ids = seq.block_table.block_ids
-        if len(block_ids) > num_blocks:  # a copy-on-write replaces the last block in place
-            recorder.alloc(seq, block_ids[num_blocks:])
+            self.listeners.block_copied_on_write(seq.request.request_id, seq.index,
+                                                 copy.src_block_id, copy.dst_block_id)
+        if table.num_blocks > num_blocks:  # a copy-on-write replaces the last block in place
+            self.listeners.blocks_allocated(seq.request.request_id, seq.index,
+                                            table.block_ids[num_blocks:])
         return copies
 
     def _append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
@@ -259,8 +255,8 @@ class KVCacheManager:
         """A table sharing all of `seq`'s blocks, for the request's next sequence (the
         scheduler gives it index `len(request.sequences)`: the recorder names it so)."""
         child = seq.block_table.fork()
-        if self.recorder is not None:
-            self.recorder.fork(seq, len(seq.request.sequences), child.block_ids)
+        self.listeners.table_forked(seq.request.request_id, len(seq.request.sequences),
+                                    seq.index, child.block_ids)
         return child
 
     def preempt(self, seq: Sequence) -> str:
@@ -272,8 +268,9 @@ class KVCacheManager:
         if self.tiers.has_host and seq.num_computed_tokens:
             kind = self.policy.choose(table.num_blocks, seq.num_computed_tokens)
         host_ids = self.tiers.swap_out(table.block_ids) if kind == SWAP else None
-        if self.recorder is not None:
-            self.recorder.preempt(seq, RECOMPUTE if host_ids is None else SWAP, table.block_ids)
+        self.listeners.sequence_preempted(seq.request.request_id, seq.index,
+                                          RECOMPUTE if host_ids is None else SWAP,
+                                          table.block_ids)
         if host_ids is None:
             self.counters.num_recompute_preemptions += 1
             self._drop(seq)
@@ -286,7 +283,7 @@ class KVCacheManager:
 
     def drop(self, seq: Sequence) -> None:
         """Drop the sequence's KV on the device (its computed tokens are computed again)."""
-        self._record_free(seq)
+        self._report_free(seq)
         self._drop(seq)
 
     def _drop(self, seq: Sequence) -> None:
@@ -308,12 +305,13 @@ class KVCacheManager:
         host_ids = self._swapped.pop(seq.seq_id, None)
         if host_ids is not None:
             self.tiers.free_swapped(host_ids)
-        self._record_free(seq)
+        self._report_free(seq)
         seq.block_table.free()
 
-    def _record_free(self, seq: Sequence) -> None:
-        if self.recorder is not None and seq.block_table.block_ids:
-            self.recorder.free(seq, seq.block_table.block_ids)
+    def _report_free(self, seq: Sequence) -> None:
+        if seq.block_table.block_ids:
+            self.listeners.blocks_freed(seq.request.request_id, seq.index,
+                                        seq.block_table.block_ids)
 
     def reset_counters(self) -> None:
         self.counters = SwapCounters()

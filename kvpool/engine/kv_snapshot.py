@@ -39,25 +39,17 @@ def take_kv_snapshot(memory: KVMemory, requests: Iterable[Request],
     sequences = _sequence_views(requests, swapped_host_blocks)
     tables = [seq.block_ids for seq in sequences]
     pools = {"device": take_pool_view(pool, tables)}
-    tiers = memory.tiers
-    if tiers.host is not None:
-        host_tables = [seq.host_block_ids for seq in sequences]
-        pools["host"] = take_pool_view(tiers.host.pool, host_tables)
-    disk = shared = None
-    if tiers.disk is not None:
-        disk_stats = tiers.disk.stats()
-        disk = {"num_blocks": disk_stats.num_files, "num_bytes": disk_stats.num_bytes}
-    if tiers.shared is not None:
-        shared_stats = tiers.shared.stats()
-        shared = {"is_up": int(shared_stats.is_up),
-                  "num_stored_blocks": shared_stats.num_stored_blocks,
-                  "num_loaded_blocks": shared_stats.num_loaded_blocks}
+    host_tables = [seq.host_block_ids for seq in sequences]
+    lower = memory.tiers.tiers  # nearest first: a tier with a block pool is drawn as one
+    pools.update({tier.name: take_pool_view(tier.pool, host_tables)
+                  for tier in lower if tier.pool is not None})
+    summaries = {tier.name: tier.summary() for tier in lower if tier.pool is None}
     stats = pool.stats()
     return KVSnapshot(
         time=time.time(), step=num_steps, pools=pools,
         sequences=tuple(sequences), stats=stats,
         derived=_derived(pools["device"], stats, rates),
-        disk=disk, shared=shared,
+        disk=summaries.get("disk"), shared=summaries.get("shared"),
         recent_evictions=tuple(short_hash(h) for h in pool.recent_evictions),
     )
 

@@ -47,11 +47,11 @@ from kvpool.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from kvpool.engine.generation_config import default_sampling_params
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
-from kvpool.memory.redis_tier import RedisKVTier
+from kvpool.memory.tiers.disk_tier import DiskKVTier
+from kvpool.memory.tiers.redis_tier import RedisKVTier
 from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import AUTO, resolve_dtype
 from kvpool.model.loaders.auto import load_model, make_loader

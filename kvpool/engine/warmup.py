@@ -31,7 +31,7 @@ import torch
 from kvpool.engine.model_runner import SequenceChunk
 from kvpool.engine.preemption import TransferRates, measure_copy_bandwidth
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.memory.kv_transfer import copy_block
+from kvpool.memory.tiers.kv_transfer import copy_block
 from kvpool.model.flops import prefill_flops
 
 if TYPE_CHECKING:

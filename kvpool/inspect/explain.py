@@ -1,8 +1,9 @@
 """Why a prompt would hit or miss the prefix cache: one verdict per block, and one sentence.
 
 The engine's lookup (`KVCacheManager.plan_admission`) walks a prompt's full blocks in order:
-the device's prefix cache while it matches, then the tiers below (host, then disk) while they
-match, and stops at the first block found nowhere. Each block's hash chains on its parent's,
+the device's prefix cache while it matches, then the tiers below in the engine's order (host,
+then disk: `KVTiers.tiers`, each asked `holds`) while they match, and stops at the first block
+found nowhere. Each block's hash chains on its parent's,
 so nothing after that first miss can be served, even a block whose own hash is still cached.
 The lookup also stops one token short of the prompt's end (`_num_query_tokens`): the last
 prompt token is always computed, since its logits are needed, so a prompt that ends exactly on
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.memory.pool_snapshot import KVSnapshot
 from kvpool.memory.prefix_cache import BlockHash, PrefixCache, hash_full_blocks, salt_key
 from kvpool.memory.snapshot_runs import short_hash
+from kvpool.memory.tiers.kv_tiers import TIERS  # the walk's order: device, host, disk, shared
 
 if TYPE_CHECKING:
     from kvpool.engine.engine import LLMEngine
@@ -48,7 +50,6 @@ HIT, HOST, DISK = "hit", "host", "disk"
 EVICTED, SALT_DIFFERS, NEVER_SEEN = "evicted", "salt_differs", "never_seen"
 AFTER_MISS, PARTIAL = "after_miss", "partial"
 VERDICTS = (HIT, HOST, DISK, EVICTED, SALT_DIFFERS, NEVER_SEEN, AFTER_MISS, PARTIAL)
-TIERS = ("device", HOST, DISK)  # in lookup order
 SERVED = (HIT, HOST, DISK)  # verdicts whose blocks a lookup serves (query limit aside)
 
 
@@ -107,7 +108,7 @@ class PrefixExplanation:
 @dataclass(frozen=True, slots=True)
 class _Lookup:
     """What the core asks of a cache, per full block index: the tiers holding the block's own
-    hash (device, host, disk), and why the first miss missed."""
+    hash (any of `TIERS`, the engine's walk order), and why the first miss missed."""
 
     tiers_of: Callable[[int], Collection[str]]
     miss_of: Callable[[int], tuple[str, int | None]]  # (verdict, evictions_ago)
@@ -120,32 +121,28 @@ def explain_prompt(engine: LLMEngine, token_ids: Sequence[int], cache_salt: str 
     the server's tenant-derived one). Call between steps; nothing is taken or counted."""
     _check_prompt(token_ids)
     pool = engine.kv_memory.pool
-    tiers = engine.kv_tiers
+    lower = engine.kv_tiers.tiers  # the engine's walk below the device, in order
     size = engine.kv_memory.layout.block_size
     hashes = hash_full_blocks(token_ids, size, salt_key(cache_salt))
-    caches = {"device": pool.prefix_cache}
-    if tiers.host is not None:
-        caches["host"] = tiers.host.pool.prefix_cache
-    disk = tiers.disk
+    pools = [pool, *(tier.pool for tier in lower if tier.pool is not None)]
+    caches = [each.prefix_cache for each in pools]
     device_evictions = list(pool.recent_evictions)
     # A spilled block the host evicted in turn is lost there too (without a disk tier).
-    host_evictions = set(tiers.host.pool.recent_evictions) if tiers.host is not None else set()
+    lower_evictions = {block_hash for each in pools[1:] for block_hash in each.recent_evictions}
 
     def block(index: int) -> list[int]:
         return list(token_ids[index * size:(index + 1) * size])
 
     def tiers_of(index: int) -> list[str]:
-        found = [name for name, cache in caches.items()
-                 if cache.lookup(hashes[index], block(index)) is not None]
-        if disk is not None and disk.contains(hashes[index]):
-            found.append(DISK)
-        return found
+        block_hash, tokens = hashes[index], block(index)
+        found = ["device"] if pool.prefix_cache.lookup(block_hash, tokens) is not None else []
+        return found + [tier.name for tier in lower if tier.holds(block_hash, tokens)]
 
     def miss_of(index: int) -> tuple[str, int | None]:
         ago = _evictions_ago(device_evictions, hashes[index])
-        if ago is not None or hashes[index] in host_evictions:
+        if ago is not None or hashes[index] in lower_evictions:
             return EVICTED, ago
-        if reveal_other_salts and _cached_under_other_salt(caches.values(), hashes,
+        if reveal_other_salts and _cached_under_other_salt(caches, hashes,
                                                            token_ids, size, index):
             return SALT_DIFFERS, None
         return NEVER_SEEN, None
@@ -210,7 +207,7 @@ def _classify(num_tokens: int, size: int, labels: list[str],
             verdicts.append(BlockVerdict(index, HIT, label, size))
             continue
         if phase != AFTER_MISS:
-            below = next((tier for tier in (HOST, DISK) if tier in tiers), None)
+            below = next((tier for tier in TIERS[1:] if tier in tiers), None)
             if below is not None:
                 phase = "below"
                 verdicts.append(BlockVerdict(index, below, label, size))
@@ -220,7 +217,7 @@ def _classify(num_tokens: int, size: int, labels: list[str],
             verdicts.append(BlockVerdict(index, verdict, label, size, still, ago))
             phase = AFTER_MISS
             continue
-        still = next((tier for tier in TIERS if tier in tiers), None)
+        still = next((tier for tier in TIERS if tier in tiers), None)  # the nearest
         verdicts.append(BlockVerdict(index, AFTER_MISS, label, size, still))
     if num_tokens % size:
         verdicts.append(BlockVerdict(len(labels), PARTIAL, None, num_tokens % size))

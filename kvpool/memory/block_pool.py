@@ -29,35 +29,28 @@ when no fresh block is left, so a prefix stays reusable for as long as memory al
 `allocate(n)` is all-or-nothing, and `free`/`retain` validate every id before the pool keeps
 any change, so a failed call never leaves it half-changed.
 
-Tiers below (`kvpool.memory.kv_tiers`) follow the prefix cache through `tier_hooks`: it hears
-of every block published and of every cached block evicted to make room for an allocation,
-while the block's KV is still intact (nothing writes a block between its eviction and the next
-step's copies). The default, `NO_TIER_HOOKS`, does nothing. An elastic shrink's evictions and
-relocations are not reported: they move KV at once, outside a step.
-
-KV events (`kvpool.engine.kv_events`) hear the prefix cache through `event_log`: every hash
-that enters it (`publish`) or leaves it (an eviction here or by an elastic shrink, a reset). A
-relocation keeps its hash and is not an event. None, the default, costs one attribute test
-per published or evicted block.
+Listeners (`kvpool.memory.kv_listener`) hear the prefix cache through `listeners`, the pool's
+fan-out (empty by default): every block published (`block_stored`), every cached block evicted
+to make room for an allocation while its KV is still intact (`block_evicted`: the tiers spill
+it; nothing writes a block between its eviction and the next step's copies), and every reset
+(`pool_cleared`). Each event is one call, whoever listens. Events carry the pool's `medium`
+("device" or "host"). A relocation keeps its hash and is not an event.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
 
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_listener import KVListeners
 from kvpool.memory.prefix_cache import BlockHash, NullPrefixCache, PrefixCache, PrefixMatch
-from kvpool.memory.tier_hooks import NO_TIER_HOOKS, TierHooks
-
-if TYPE_CHECKING:
-    from kvpool.engine.kv_events import PoolEvents
 
 NULL_BLOCK_ID = 0
+DEVICE, HOST = "device", "host"  # a pool's medium: where its KV lives
 RECENT_EVICTIONS = 4096  # evicted hashes the pool remembers, to tell "evicted" from "never seen"
 
 
@@ -70,9 +63,10 @@ class BlockPool:
         layout: KVLayout | None = None,
         enable_prefix_caching: bool = True,
         capacity_blocks: int | None = None,
+        medium: str = DEVICE,
     ) -> None:
         """Ids `1 .. num_blocks` start online; `capacity_blocks` (default `num_blocks + 1`)
-        sizes the id space, the null block included."""
+        sizes the id space, the null block included; `medium` names where the KV lives."""
         if capacity_blocks is None and num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         capacity_blocks = num_blocks + 1 if capacity_blocks is None else capacity_blocks
@@ -80,6 +74,7 @@ class BlockPool:
             raise ValueError(f"need 0 <= num_blocks < capacity_blocks (one id is the null "
                              f"block), got {num_blocks} and {capacity_blocks}")
         self.layout = layout or KVLayout()
+        self.medium = medium
         self.num_blocks = num_blocks  # online blocks
         self.capacity_blocks = capacity_blocks
         self.prefix_cache: PrefixCache = (
@@ -93,14 +88,12 @@ class BlockPool:
         self._fresh_free_ids: list[int] = list(range(num_blocks, 0, -1))
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
         self._num_filled_slots_in_use = 0
-        self.tier_hooks: TierHooks = NO_TIER_HOOKS
-        self.event_log: PoolEvents | None = None  # KV events, when they are on
+        self.listeners = KVListeners()  # registered at set-up (module docstring)
         # The pool's clock (the engine sets it to time.monotonic() before each step) and the
         # clock reading when each block last changed hands: allocated, revived or released.
         self.now = 0.0
         self._last_use = [math.nan] * capacity_blocks  # NaN: not used since the pool began
         self.recent_evictions: deque[BlockHash] = deque(maxlen=RECENT_EVICTIONS)
-        self.on_evict: Callable[[int], None] | None = None  # told of each eviction (a recorder)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -181,21 +174,18 @@ class BlockPool:
         self._num_allocations += num_blocks
         return block_ids
 
-    def _take_one(self, report_eviction: bool = True) -> int:
+    def _take_one(self, is_kv_intact: bool = True) -> int:
+        """A fresh block, else the least recently used cached one, evicted (`is_kv_intact`:
+        nothing overwrites its KV before the next step; False for a relocation target)."""
         if self._fresh_free_ids:
             block_id = self._fresh_free_ids.pop()
         else:
             block_id, _ = self._evictable_ids.popitem(last=False)
             entry = self.prefix_cache.remove(block_id)
+            assert entry is not None, "an evictable block is hashed"
             self._num_evictions += 1
-            if entry is not None:
-                self.recent_evictions.append(entry.block_hash)
-                if self.event_log is not None:
-                    self.event_log.removed(entry.block_hash)
-            if self.on_evict is not None:
-                self.on_evict(block_id)
-            if report_eviction and entry is not None:
-                self.tier_hooks.evicted(block_id, entry)
+            self.recent_evictions.append(entry.block_hash)
+            self.listeners.block_evicted(self.medium, block_id, entry, is_kv_intact)
         self._ref_counts[block_id] = 1
         self._num_filled_slots[block_id] = 0
         self._last_use[block_id] = self.now
@@ -272,8 +262,7 @@ class BlockPool:
         out lowest id first again, counters zero (the engine calls it after its warm-up)."""
         if self.num_used_blocks:
             raise InvalidBlockError(f"cannot reset a pool with {self.num_used_blocks} used blocks")
-        if self.event_log is not None:
-            self.event_log.cleared()
+        self.listeners.pool_cleared(self.medium)
         for block_id in self._evictable_ids:
             self.prefix_cache.remove(block_id)
             self._num_filled_slots[block_id] = 0
@@ -334,9 +323,7 @@ class BlockPool:
         assert len(token_ids) == self.block_size, "only full blocks are published"
         if not self.prefix_cache.insert(block_id, block_hash, token_ids):
             return False
-        self.tier_hooks.published(block_id, block_hash, token_ids)
-        if self.event_log is not None:
-            self.event_log.stored(block_hash, parent_hash, token_ids)
+        self.listeners.block_stored(self.medium, block_id, block_hash, parent_hash, token_ids)
         return True
 
     # -------------------------------------------------------------- reporting
@@ -367,9 +354,28 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Assert every invariant in the module docstring (O(capacity_blocks); for tests)."""
-        from kvpool.memory.block_pool_checks import check_block_pool  # test-only code
-
-        check_block_pool(self)
+        fresh = set(self._fresh_free_ids)
+        evictable = set(self._evictable_ids)
+        assert len(fresh) == len(self._fresh_free_ids), "duplicate id on the free stack"
+        assert not fresh & evictable, "a block is both free and cached"
+        assert sum(self._is_online) == self.num_blocks, "the online count is off"
+        assert not self._is_online[NULL_BLOCK_ID], "the null block is online"
+        filled_in_use = 0
+        for block_id, ref_count in enumerate(self._ref_counts):
+            assert ref_count >= 0
+            is_hashed = self.prefix_cache.is_cached(block_id)
+            if not self._is_online[block_id]:
+                assert ref_count == 0 and not is_hashed, f"offline block {block_id} is in use"
+                assert block_id not in fresh and block_id not in evictable
+                assert self._num_filled_slots[block_id] == 0
+            elif ref_count > 0:
+                assert block_id not in fresh and block_id not in evictable
+                filled_in_use += self._num_filled_slots[block_id]
+            else:
+                assert (block_id in evictable) == is_hashed
+                assert (block_id in fresh) != is_hashed
+        assert filled_in_use == self._num_filled_slots_in_use
+        assert self._num_allocations - self._num_frees == self.num_used_blocks, "counters drift"
 
     def _check_id(self, block_id: int) -> None:
         """InvalidBlockError unless `block_id` is an online id (a plain int: bools, floats and

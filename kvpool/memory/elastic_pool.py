@@ -33,9 +33,10 @@ grow; it is not returned to the device allocator.
 `reset` returns the pool to its start-up state exactly: every segment is given back and the
 initial ones are taken again, so the same ids are online, in the same free order.
 
-`on_resize`, when set (the `--kv-trace` recorder), hears of every `grow` and `shrink` as
-`(online blocks after, blocks added (negative: removed), {old id: new id} of the used blocks
-relocated, [cached blocks dropped])`; the start-up segments and `reset` are not reported.
+The pool's listeners (`kvpool.memory.kv_listener`; the `--kv-trace` recorder) hear every
+`grow` and `shrink` as one `pool_resized`: online blocks after, blocks added (negative:
+removed), {old id: new id} of the used blocks relocated, and the cached blocks dropped; the
+start-up segments and `reset` are not reported.
 
 Invariants:
 - The arena's first block-sized range is the null block (id 0), zeroed, held for the pool's
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,7 +117,6 @@ class ElasticKVPool:
         null_block = arena.allocate(self.kv_bytes_per_block, alignment=self.kv_bytes_per_block)
         assert null_block.offset == NULL_BLOCK_ID * self.kv_bytes_per_block, "arena not empty"
         self._segments: list[Segment] = []
-        self.on_resize: Callable[[int, int, dict[int, int], list[int]], None] | None = None
         self._idle_since: float | None = None
         initial = self.config.initial_blocks
         if initial is None:  # one segment, or the whole budget when it is smaller
@@ -178,8 +178,8 @@ class ElasticKVPool:
             return False
         self._add_segment(num_blocks)
         self._num_grows += 1
-        if self.on_resize is not None:
-            self.on_resize(self.pool.num_blocks, num_blocks, {}, [])
+        self.pool.listeners.pool_resized(self.pool.medium, self.pool.num_blocks, num_blocks,
+                                         {}, [])
         return True
 
     def _add_segment(self, num_blocks: int) -> None:
@@ -215,8 +215,7 @@ class ElasticKVPool:
             return False  # the other segments cannot take the used blocks
         # Unused blocks go offline first, so relocation cannot pick them as destinations.
         unused_ids = [b for b in segment.block_ids if not self.pool.ref_count(b)]
-        dropped = [] if self.on_resize is None else [b for b in unused_ids
-                                                     if self.pool.is_evictable(b)]
+        dropped = [b for b in unused_ids if self.pool.is_evictable(b)]
         self._num_evicted_blocks += self.pool.remove_blocks(unused_ids)
         old_to_new = self.pool.relocate_blocks(used_ids)
         self.kv_cache.copy_blocks([BlockCopy(old, new) for old, new in old_to_new.items()])
@@ -225,8 +224,8 @@ class ElasticKVPool:
         self._remove_segment(segment, used_ids)
         self._num_shrinks += 1
         self._num_migrated_blocks += len(used_ids)
-        if self.on_resize is not None:
-            self.on_resize(self.pool.num_blocks, -segment.num_blocks, old_to_new, dropped)
+        self.pool.listeners.pool_resized(self.pool.medium, self.pool.num_blocks,
+                                         -segment.num_blocks, old_to_new, dropped)
         return True
 
     def _emptiest_segment(self, min_online_blocks: int) -> Segment | None:

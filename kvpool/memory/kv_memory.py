@@ -7,8 +7,12 @@
                   and for int8 / fp8 its scale pool beside it (same block ids)
       pool        BlockPool (static) or ResizableBlockPool (elastic) of block ids
       sizing      StaticKVPool (never resizes) or ElasticKVPool (segments grow and shrink)
-      tiers       KVTiers: the host, disk and shared (Redis) tiers below the pool, and the
-                  copies between them (`kvpool.memory.kv_tiers`; with no tier, nothing moves)
+      tiers       KVTiers: the host, disk and shared (Redis) tiers below the pool, an ordered
+                  list, and the copies between them (`kvpool.memory.tiers`; with no tier,
+                  nothing moves)
+      listeners   the device side's listener fan-out (`kvpool.memory.kv_listener`): the
+                  pool, its sizing, the tiers and the KV cache manager emit on it
+      rates       PoolRates: the device pool's alloc/free rates, a listener on that fan-out
 
 Everything above it (the KV cache manager, the engine, warm-up, the async engine's snapshots)
 reaches KV memory through this object only: its queries (`max_num_blocks`, `can_ever_fit`),
@@ -29,15 +33,17 @@ from kvpool.memory.arena_free_list import align_up
 from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool
 from kvpool.memory.block_pool_stats import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
-from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
-from kvpool.memory.host_tier import HostKVTier
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.kv_listener import KVListeners
 from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
-from kvpool.memory.kv_tiers import KVTiers
-from kvpool.memory.redis_tier import RedisKVTier
+from kvpool.memory.pool_rates import PoolRates
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
+from kvpool.memory.tiers.disk_tier import DiskKVTier
+from kvpool.memory.tiers.host_tier import HostKVTier
+from kvpool.memory.tiers.kv_tiers import KVTiers
+from kvpool.memory.tiers.redis_tier import RedisKVTier
 
 
 class KVMemory:
@@ -82,9 +88,18 @@ class KVMemory:
             self.sizing = ElasticKVPool(self.pool, self.kv_cache, self.arena, elastic)
         host = HostKVTier.for_budget(layout, host_num_bytes,
                                      pin_memory=torch.device(device).type == "cuda")
-        self.tiers = KVTiers(self.pool, self.kv_cache, host, disk, shared)
+        lower = [tier for tier in (host, disk, shared) if tier is not None]  # nearest first
+        self.tiers = KVTiers(self.pool, self.kv_cache, lower)
+        self.rates = PoolRates(self.pool)  # the device pool's alloc/free rates, for snapshots
+        self.listeners.add(self.rates)
 
     # ----------------------------------------------------------------- queries
+    @property
+    def listeners(self) -> KVListeners:
+        """The device pool's fan-out: register a listener here once to hear the device side
+        (the host pool's own fan-out is `tiers.host.pool.listeners`)."""
+        return self.pool.listeners
+
     @property
     def max_num_blocks(self) -> int:
         """Blocks the pool holds at its largest: what a single sequence can ever use."""

@@ -1,6 +1,7 @@
 """Allocation and free rates of a block pool over a sliding window of recent steps.
 
-The engine samples the pool's cumulative counters after every step (`sample`); a rate is the
+`PoolRates`, a listener on the pool's fan-out, samples the pool's cumulative counters at the
+end of every step (`PoolRateWindow.sample`) and forgets them when the pool is reset; a rate is the
 counter's change between the oldest sample still inside the window and the newest, divided by
 the time between them. Samples closer than `min_spacing_s` to the previous one replace it, so
 memory stays bounded at a few hundred samples whatever the step rate.
@@ -9,6 +10,12 @@ memory stays bounded at a few hundred samples whatever the step rate.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
+
+from kvpool.memory.kv_listener import KVListener
+
+if TYPE_CHECKING:
+    from kvpool.memory.block_pool import BlockPool
 
 
 class PoolRateWindow:
@@ -40,3 +47,22 @@ class PoolRateWindow:
         if span <= 0:
             return 0.0, 0.0, 0.0
         return (allocs1 - allocs0) / span, (frees1 - frees0) / span, span
+
+
+class PoolRates(KVListener):
+    """A pool's alloc/free rates, kept current by the step-end events it hears."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.window = PoolRateWindow()
+
+    def step_ended(self, next_step: int) -> None:
+        self.window.sample(self.pool.now, *self.pool.allocation_counters())
+
+    def pool_cleared(self, medium: str) -> None:
+        if medium == self.pool.medium:
+            self.window.clear()
+
+    def rates(self) -> tuple[float, float, float]:
+        """(allocations per s, frees per s, seconds covered); zeros before two samples."""
+        return self.window.rates()

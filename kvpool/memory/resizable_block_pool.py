@@ -2,9 +2,10 @@
 
 `ResizableBlockPool` starts with no block online. The elastic pool (`kvpool.memory.elastic_pool`)
 brings runs of ids online (`add_blocks`) as its memory grows, takes unused ones offline
-(`remove_blocks`) as it shrinks, and moves used blocks out of a segment it gives back
-(`relocate_blocks`). The null block (id 0) is never brought online. Every invariant of
-`BlockPool` holds after each call.
+(`remove_blocks`: listeners hear `block_removed` for each cached one) as it shrinks, and moves
+used blocks out of a segment it gives back (`relocate_blocks`: cached blocks evicted to take
+them are `block_evicted` with their KV overwritten at once). The null block (id 0) is never
+brought online. Every invariant of `BlockPool` holds after each call.
 
 Policy: blocks brought online go to the *bottom* of the free stack, so free blocks already
 online are reused first and the newest memory stays the emptiest, the cheapest to give back.
@@ -58,8 +59,8 @@ class ResizableBlockPool(BlockPool):
             if block_id in self._evictable_ids:
                 del self._evictable_ids[block_id]
                 entry = self.prefix_cache.remove(block_id)
-                if entry is not None and self.event_log is not None:
-                    self.event_log.removed(entry.block_hash)
+                assert entry is not None, "an evictable block is hashed"
+                self.listeners.block_removed(self.medium, block_id, entry.block_hash)
                 self._num_filled_slots[block_id] = 0
                 num_evicted += 1
         self._fresh_free_ids = [b for b in self._fresh_free_ids if b not in removed]
@@ -81,7 +82,7 @@ class ResizableBlockPool(BlockPool):
             raise InvalidBlockError("relocate_blocks got a block id twice")
         if len(block_ids) > self.num_allocatable_blocks:
             raise OutOfBlocksError(len(block_ids), self.num_free_blocks, self.num_cached_blocks)
-        old_to_new = {old_id: self._take_one(report_eviction=False) for old_id in block_ids}
+        old_to_new = {old_id: self._take_one(is_kv_intact=False) for old_id in block_ids}
         for old_id, new_id in old_to_new.items():
             self._ref_counts[new_id] = self._ref_counts[old_id]
             self._num_filled_slots[new_id] = self._num_filled_slots[old_id]

@@ -45,7 +45,7 @@ from prometheus_client.registry import Collector
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineSnapshot
 from kvpool.engine.outputs import RequestOutput
 from kvpool.memory.block_pool_stats import BlockPoolStats
-from kvpool.memory.redis_tier import SharedTierStats
+from kvpool.memory.tiers.redis_tier import SharedTierStats
 from kvpool.server.request_metrics import RequestHistograms
 
 

@@ -54,7 +54,8 @@ def make_log(*pools: tuple[BlockPool, str]) -> tuple[KVEventLog, RecordingPublis
     publisher = RecordingPublisher()
     log = KVEventLog(CONFIG, LAYOUT.block_size, publisher)
     for pool, medium in pools:
-        log.attach(pool, medium)
+        assert pool.medium == medium
+        log.attach(pool)
     return log, publisher
 
 
@@ -131,7 +132,7 @@ def test_an_elastic_shrink_is_removed_and_a_relocation_is_no_event() -> None:
 
 
 def test_a_spill_names_the_parent_the_device_published() -> None:
-    device, host = BlockPool(4, LAYOUT), BlockPool(4, LAYOUT)
+    device, host = BlockPool(4, LAYOUT), BlockPool(4, LAYOUT, medium=HOST)
     log, publisher = make_log((device, DEVICE), (host, HOST))
     table = BlockTable(device)
     table.append_tokens([1, 2, 3, 4])
@@ -145,7 +146,7 @@ def test_a_spill_names_the_parent_the_device_published() -> None:
 
 
 def test_reset_clears_all_once_every_tier_is_empty() -> None:
-    device, host = BlockPool(4, LAYOUT), BlockPool(4, LAYOUT)
+    device, host = BlockPool(4, LAYOUT), BlockPool(4, LAYOUT, medium=HOST)
     log, publisher = make_log((device, DEVICE), (host, HOST))
     table = BlockTable(device)
     table.append_tokens([1, 2])

@@ -18,6 +18,7 @@ from kvpool.engine.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    KVEventLog,
     decode_message,
 )
 from kvpool.engine.sampling_params import SamplingParams
@@ -147,8 +148,10 @@ def test_events_off_bind_nothing_and_hook_nothing(make_engine) -> None:
                          swap_space=4 * engine_block_gib())
     run(engine, A)
     assert engine.kv_events is None
-    assert engine.kv_memory.pool.event_log is None
-    assert engine.kv_tiers.host.pool.event_log is None
+    assert not any(isinstance(listener, KVEventLog)
+               for listener in engine.kv_memory.pool.listeners)
+    assert not any(isinstance(listener, KVEventLog)
+               for listener in engine.kv_tiers.host.pool.listeners)
 
 
 def test_close_sends_what_is_pending_and_frees_the_port(make_engine, subscriber_to) -> None:

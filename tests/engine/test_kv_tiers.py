@@ -173,7 +173,7 @@ def test_corrupt_disk_files_are_skipped_and_counted_never_served(make_engine, tm
 def test_a_full_disk_turns_the_tier_off_with_a_warning_and_loses_nothing(
         make_engine, reference, tmpfs, caplog):
     engine = make_engine(dtype="float32", kv_disk_cache=str(tmpfs("1m")))
-    with caplog.at_level(logging.WARNING, logger="kvpool.memory.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.memory.tiers.disk_tier"):
         outputs = token_ids(run_all(engine, PRESSURE_PROMPTS))
         engine.close()
     disk = engine.kv_tier_stats().disk

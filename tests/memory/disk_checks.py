@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.prefix_cache import hash_block
+from kvpool.memory.tiers.disk_tier import DiskKVTier
 
 DTYPES = ["float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"]
 NAMESPACE = "models/tiny|layout-a"

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from disk_checks import NAMESPACE, make_block
 
-from kvpool.memory.disk_block_format import encode_block
 from kvpool.memory.kv_layout import KVLayout
-from kvpool.memory.redis_tier import RedisKVTier, shared_key
+from kvpool.memory.tiers.disk_block_format import encode_block
+from kvpool.memory.tiers.redis_tier import RedisKVTier, shared_key
 
 FAST = {"timeout": 0.2, "probe_interval": 0.02}  # a tier that notices outages quickly
 DAMAGE = ("flipped_byte", "truncated", "other_tokens", "junk")

@@ -14,9 +14,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from kvpool.memory import disk_block_format as block_format
-from kvpool.memory.disk_block_format import RejectedBlock, decode_block, encode_block
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.tiers import disk_block_format as block_format
+from kvpool.memory.tiers.disk_block_format import RejectedBlock, decode_block, encode_block
 
 
 def encoded(layout: KVLayout, key: int = 1, namespace: str = NAMESPACE) -> bytes:

@@ -23,13 +23,13 @@ from disk_checks import (
     stored_tier,
 )
 
-from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.tiers.disk_tier import DiskKVTier
 
 
 def warnings_from_tier(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records
-            if r.name == "kvpool.memory.disk_tier" and r.levelno == logging.WARNING]
+            if r.name == "kvpool.memory.tiers.disk_tier" and r.levelno == logging.WARNING]
 
 
 # ---------------------------------------------------------------- round trips, restart
@@ -177,7 +177,7 @@ def small_disk(tmpfs):
 def test_a_full_disk_switches_the_tier_off_with_one_warning(small_disk, caplog):
     layout = make_layout(head_dim=256)  # 32 KiB blocks: 7 fit
     tier = DiskKVTier(small_disk, BIG, layout, NAMESPACE)
-    with caplog.at_level(logging.WARNING, logger="kvpool.memory.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.memory.tiers.disk_tier"):
         for key in range(20):
             tier.store(*make_block(layout, key))
             tier.flush()
@@ -202,7 +202,7 @@ def test_an_unusable_directory_starts_the_tier_off(tmp_path, caplog):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError, match="not a directory"):
         DiskKVTier(tmp_path / "a_file", BIG, make_layout(), NAMESPACE)
-    with caplog.at_level(logging.WARNING, logger="kvpool.memory.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.memory.tiers.disk_tier"):
         tier = DiskKVTier(tmp_path / "a_file" / "below", BIG, make_layout(), NAMESPACE)
     assert len(warnings_from_tier(caplog)) == 1 and not tier.stats().is_enabled
     tier.store(*make_block(make_layout(), 1))

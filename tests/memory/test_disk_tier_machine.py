@@ -14,8 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.memory.disk_tier import DiskKVTier
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.tiers.disk_tier import DiskKVTier
 
 SM_LAYOUT = KVLayout(block_size=4, num_layers=1, num_kv_heads=2, head_dim=4, dtype="int8")
 SM_KEYS = st.integers(0, 5)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.memory.host_tier import HostKVTier
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.tiers.host_tier import HostKVTier
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 

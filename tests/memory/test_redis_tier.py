@@ -14,13 +14,14 @@ import pytest
 from disk_checks import DTYPES, Gate, make_block, make_layout, same_bits
 from redis_checks import DAMAGE, damaged_value, key_of, make_tier, wait_until
 
-from kvpool.memory.redis_memo import PresenceMemo
+from kvpool.memory.tiers.redis_memo import PresenceMemo
 from tests.redis_server import RedisServer
 
 
 def shared_warnings(caplog) -> list[str]:
     return [record.getMessage() for record in caplog.records
-            if record.name.startswith("kvpool.memory.redis") and record.levelno == logging.WARNING]
+            if record.name.startswith("kvpool.memory.tiers.redis")
+            and record.levelno == logging.WARNING]
 
 
 def store_all(tier, layout, keys) -> None:

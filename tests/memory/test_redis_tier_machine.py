@@ -30,7 +30,7 @@ from hypothesis.stateful import (
 from redis_checks import DAMAGE, damaged_value, key_of, make_tier, wait_until
 
 from kvpool.memory.kv_layout import KVLayout
-from kvpool.memory.redis_tier import KEY_PREFIX
+from kvpool.memory.tiers.redis_tier import KEY_PREFIX
 
 SM_LAYOUT = KVLayout(block_size=4, num_layers=1, num_kv_heads=2, head_dim=4, dtype="int8")
 SM_KEYS = st.integers(0, 5)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import httpx
 
+from kvpool.engine.kv_events import KVEventLog
 from kvpool.memory.prefix_cache import hash_full_blocks, salt_key
 from kvpool.router.kv_event_subscriber import (
     KVEventSubscriber,
@@ -64,7 +65,8 @@ def test_with_events_off_there_is_no_source_and_no_snapshot(make_server) -> None
     assert response.status_code == 404
     assert "--kv-events-config" in response.json()["error"]["message"]
     assert fetch_event_source(server.base_url) is None
-    assert server.engine.engine.kv_memory.pool.event_log is None
+    pool = server.engine.engine.kv_memory.pool
+    assert not any(isinstance(listener, KVEventLog) for listener in pool.listeners)
 
 
 def test_the_null_publisher_numbers_batches_but_binds_nothing(make_server) -> None:

@@ -1,6 +1,6 @@
 """The stored block format: one full KV block as one safetensors blob, validated on read. It is
-both the disk tier's file (`kvpool.memory.disk_tier`) and the shared tier's Redis value
-(`kvpool.memory.redis_tier`): one format, one set of checks.
+both the disk tier's file (`kvpool.memory.tiers.disk_tier`) and the shared tier's Redis value
+(`kvpool.memory.tiers.redis_tier`): one format, one set of checks.
 
 Where a block lives on disk, under the disk tier's directory (`namespace_dir_name`,
 `block_file_parts`); the shared tier puts `namespace_dir_name` in its Redis keys the same way:

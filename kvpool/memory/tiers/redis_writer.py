@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import redis
 import torch
 
-from kvpool.memory.disk_block_format import encode_block
-from kvpool.memory.disk_tier import ReadyEvent
 from kvpool.memory.prefix_cache import BlockHash
-from kvpool.memory.redis_link import RedisLink
+from kvpool.memory.tiers.disk_block_format import encode_block
+from kvpool.memory.tiers.disk_tier import ReadyEvent
+from kvpool.memory.tiers.redis_link import RedisLink
 
 logger = logging.getLogger(__name__)
 

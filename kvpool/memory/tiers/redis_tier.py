@@ -2,7 +2,7 @@
 
     key    kvpool:kv:<namespace_dir_name(namespace)>:<block hash hex>
     value  encode_block(namespace, block hash, token ids, kv, scales)
-           (`kvpool.memory.disk_block_format`: the disk tier's file format, one format)
+           (`kvpool.memory.tiers.disk_block_format`: the disk tier's file format, one format)
 
 The hash is the salted chain (`kvpool.memory.prefix_cache`), so a tenant's blocks are found only
 under its salt; the namespace (model, weights, dtype, block size, KV dtype and shape:
@@ -10,17 +10,17 @@ under its salt; the namespace (model, weights, dtype, block size, KV dtype and s
 matches, and inside the value, where `decode_block` checks it with the format version, the
 hash, the tensors' shapes, a checksum and the token ids. A value that fails any check is
 counted, deleted and never served. Capacity is Redis's own (`maxmemory` with `allkeys-lru`,
-checked at connection: `kvpool.memory.redis_link`).
+checked at connection: `kvpool.memory.tiers.redis_link`).
 
 Round trips on the engine thread, per admission: `find` sizes the run with at most ONE
-pipelined EXISTS, of the hashes the memo (`kvpool.memory.redis_memo`) does not answer; then,
+pipelined EXISTS, of the hashes the memo (`kvpool.memory.tiers.redis_memo`) does not answer; then,
 once the plan is known to fit, `load_run` makes ONE MGET of just those keys. The memo keeps
 hashes found absent for `miss_ttl` seconds, so a waiting sequence re-planned every step costs
 no round trip, and a bounded set of hashes known to be in Redis, which `store` skips: a block
 reloaded from Redis and published on the device is not written back.
 
 Writes never wait on Redis: `store` queues a host snapshot of the block, and ONE daemon writer
-thread (`kvpool.memory.redis_writer`) encodes and SETs, pipelined. Queued bytes are bounded
+thread (`kvpool.memory.tiers.redis_writer`) encodes and SETs, pipelined. Queued bytes are bounded
 (`max_pending_bytes`): a store past it is dropped and counted. The same thread deletes rejected
 keys and, when idle, probes Redis every `probe_interval` seconds.
 
@@ -47,13 +47,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.memory.disk_block_format import StoredBlock, decode_block, namespace_dir_name
-from kvpool.memory.disk_tier import ReadyEvent
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.prefix_cache import BlockHash
-from kvpool.memory.redis_link import REDIS_ERRORS, RedisLink
-from kvpool.memory.redis_memo import PresenceMemo
-from kvpool.memory.redis_writer import BlockWrite, RedisWriter
+from kvpool.memory.tiers.disk_block_format import StoredBlock, decode_block, namespace_dir_name
+from kvpool.memory.tiers.disk_tier import ReadyEvent
+from kvpool.memory.tiers.lower_tier import SHARED, BlockFinder, LowerTier, StoredRef
+from kvpool.memory.tiers.redis_link import REDIS_ERRORS, RedisLink
+from kvpool.memory.tiers.redis_memo import PresenceMemo
+from kvpool.memory.tiers.redis_writer import BlockWrite, RedisWriter
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,10 @@ class _Counters:
     num_fetches: int = 0
 
 
-class RedisKVTier:
+class RedisKVTier(LowerTier):
     """Full KV blocks in Redis by salted hash, shared between replicas (module docstring)."""
+
+    name = SHARED
 
     def __init__(self, url: str, layout: KVLayout, namespace: str, *, timeout: float = 0.5,
                  max_pending_bytes: int = 256 * 2**20, probe_interval: float = 1.0,
@@ -120,6 +123,24 @@ class RedisKVTier:
     @property
     def is_up(self) -> bool:
         return self.link.is_up and not self._is_closed
+
+    def start_lookup(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> BlockFinder:
+        """Redis asked once per lookup (`find`), at the first block the nearer tiers lack,
+        for it and every later block of the run."""
+        first, found = 0, None
+
+        def find(index: int, token_ids: Sequence[int]) -> StoredRef | None:
+            nonlocal first, found
+            if found is None:
+                first, found = index, self.find(block_hashes[index:num_blocks])
+            return StoredRef(SHARED, block_hashes[index]) if found[index - first] else None
+
+        return find
+
+    def summary(self) -> dict[str, int]:
+        stats = self.stats()
+        return {"is_up": int(stats.is_up), "num_stored_blocks": stats.num_stored_blocks,
+                "num_loaded_blocks": stats.num_loaded_blocks}
 
     def find(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Whether each block is in Redis: from the memo, else ONE pipelined EXISTS of the

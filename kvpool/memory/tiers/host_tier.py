@@ -13,7 +13,7 @@ A host block holds one of two kinds of KV:
               turn, least recently used first (to the disk tier, when there is one)
 
 A host block that a queued copy reads or writes holds one more reference until the copy is done
-(`kvpool.memory.kv_transfer`), so neither the LRU nor a new owner can touch it mid-copy.
+(`kvpool.memory.tiers.kv_transfer`), so neither the LRU nor a new owner can touch it mid-copy.
 
 Invariants (`check_invariants`): the block pool's; the tensors have the layout's shape and dtype
 with one row per id (the null block included) and stay on the CPU.
@@ -21,13 +21,16 @@ with one row per id (the null block included) and stay on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.block_pool import HOST, BlockPool
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.prefix_cache import BlockHash
+from kvpool.memory.tiers.lower_tier import BlockFinder, LowerTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +45,16 @@ class HostTierStats:
     is_pinned: bool
 
 
-class HostKVTier:
+class HostKVTier(LowerTier):
     """`num_blocks` host KV blocks of `layout`, allocated once (pinned with `pin_memory`)."""
+
+    name = HOST
 
     def __init__(self, layout: KVLayout, num_blocks: int, pin_memory: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_blocks}")
         self.layout = layout
-        self.pool = BlockPool(num_blocks, layout, enable_prefix_caching=True)
+        self.pool = BlockPool(num_blocks, layout, enable_prefix_caching=True, medium=HOST)
         self.kv_cache = KVCache(layout, num_blocks + 1, "cpu", pin_memory=pin_memory)
         self.is_pinned = pin_memory
 
@@ -61,6 +66,14 @@ class HostKVTier:
         if num_bytes < 2 * layout.bytes_per_block:
             return None
         return cls(layout, layout.num_blocks_for_memory(num_bytes) - 1, pin_memory)
+
+    def start_lookup(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> BlockFinder:
+        """Each block looked up in the host's prefix cache (token ids compared)."""
+        lookup = self.pool.prefix_cache.lookup
+        return lambda index, token_ids: lookup(block_hashes[index], token_ids)
+
+    def holds(self, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        return self.pool.prefix_cache.lookup(block_hash, token_ids) is not None
 
     def reset(self) -> None:
         """With no block used: spilled prefixes dropped, counters zero."""

@@ -1,8 +1,8 @@
 """The disk tier: full KV prefix blocks kept as files, under a byte budget, across restarts.
 
 One file per block, by hash, in a directory per namespace (model and KV layout); the names,
-the contents and the checks on them are `kvpool.memory.disk_block_format`. `load` serves a file
-only if all of it matches the query and the layout; any other file (missing, truncated,
+the contents and the checks on them are `kvpool.memory.tiers.disk_block_format`. `load` serves
+a file only if all of it matches the query and the layout; any other file (missing, truncated,
 corrupt, foreign, other tokens) is deleted and counted as rejected: a miss, never an error.
 Writes go to a temp file in the same directory, then `os.replace`, so readers see a whole file
 or none; no fsync: a file torn by a power cut fails validation, which is only a miss.
@@ -46,10 +46,11 @@ from typing import Protocol
 
 import torch
 
-from kvpool.memory import disk_block_format as block_format
-from kvpool.memory.disk_block_format import FORMAT_TAG, SUFFIX, TEMP_SUFFIX, StoredBlock
+import kvpool.memory.tiers.disk_block_format as block_format
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.prefix_cache import BlockHash
+from kvpool.memory.tiers.disk_block_format import FORMAT_TAG, SUFFIX, TEMP_SUFFIX, StoredBlock
+from kvpool.memory.tiers.lower_tier import DISK, BlockFinder, LowerTier, StoredRef
 
 __all__ = ["FORMAT_TAG", "SUFFIX", "TEMP_SUFFIX", "DiskKVTier", "DiskTierStats", "ReadyEvent",
            "StoredBlock"]
@@ -107,8 +108,10 @@ def _remove(path: str | Path) -> None:
         os.unlink(path)
 
 
-class DiskKVTier:
+class DiskKVTier(LowerTier):
     """Full KV blocks on disk by hash: LRU within `capacity_bytes`, written in the background."""
+
+    name = DISK
 
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, layout: KVLayout,
                  namespace: str, *, max_pending_bytes: int = 256 * 2**20) -> None:
@@ -141,6 +144,39 @@ class DiskKVTier:
             self._writer = threading.Thread(target=self._write_loop, name="kvpool-disk-writer",
                                             daemon=True)
             self._writer.start()
+
+    # ------------------------------------------------------------ the tier walk
+    def start_lookup(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> BlockFinder:
+        """Each block found in the index (no I/O), as a reference `load_run` reads."""
+        def find(index: int, token_ids: Sequence[int]) -> StoredRef | None:
+            block_hash = block_hashes[index]
+            return StoredRef(DISK, block_hash) if self.contains(block_hash) else None
+
+        return find
+
+    def holds(self, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        return self.contains(block_hash)
+
+    def load_run(self, block_hashes: Sequence[BlockHash],
+                 token_ids: Sequence[Sequence[int]]) -> list[StoredBlock]:
+        """The leading blocks `load` serves, one file at a time, up to the first it does not."""
+        blocks = []
+        for block_hash, tokens in zip(block_hashes, token_ids, strict=True):
+            block = self.load(block_hash, tokens)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def wanted(self, block_hashes: Sequence[BlockHash]) -> set[BlockHash]:
+        """The hashes with no file yet (none while the tier is off)."""
+        if not self.stats().is_enabled:
+            return set()
+        return {block_hash for block_hash in block_hashes if not self.contains(block_hash)}
+
+    def summary(self) -> dict[str, int]:
+        stats = self.stats()
+        return {"num_blocks": stats.num_files, "num_bytes": stats.num_bytes}
 
     # ------------------------------------------------------------ public API
     def contains(self, block_hash: BlockHash) -> bool:

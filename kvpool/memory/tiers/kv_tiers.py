@@ -8,7 +8,8 @@ and what moves between them.
         └──────reload──────────┴── from host, disk or shared     (a prefix hit below the device)
     device pool ◀──swap-in── host tier ◀──swap-out── device      (a preempted sequence's blocks)
 
-- Spill: a cached block the device evicts (`evicted`, a `TierHooks` call) is copied to a host
+- Spill: a cached block the device evicts (`block_evicted`: the tiers are a `KVListener` on
+  the device pool, registered once, as reacting) is copied to a host
   block that joins the host's prefix cache under the same hash; a block the host evicts in turn
   goes to disk unless the disk already has it.
 - Write-through: every block the device publishes is written to disk and to the shared tier
@@ -17,18 +18,23 @@ and what moves between them.
   shared tier knows to be in Redis (reloaded from there, say) is not written back. At a clean
   shutdown (`close`) spilled host blocks the disk lacks follow.
 - Reload: a prefix lookup that ends on the device walks on (`find_below`): host, then disk,
-  then shared, block by block, while the hash chain matches (`kvpool.memory.tier_match`); disk
+  then shared, block by block, while the hash chain matches (`kvpool.memory.tiers.tier_match`); disk
   and shared blocks are read and validated (`validate`) once the admission is known to fit;
   then `reload` queues the copies into new device blocks.
 - Swap: `swap_out` copies a sequence's blocks to host blocks it owns; `swap_in` copies them
   back into new device blocks and frees them.
 
 Every key is the salted chained hash (`kvpool.memory.prefix_cache`), so a tenant's blocks are
-found only under its own salt, in every tier. Copies are queued (`kvpool.memory.kv_transfer`)
+found only under its own salt, in every tier. Copies are queued (`kvpool.memory.tiers.kv_transfer`)
 and run by `before_step`, before the step's model.
 
-Invariants (`check_invariants`): the host, disk and shared tiers' own; the host blocks held
-for copies are exactly those the transfer queue will release.
+The tiers are one ordered list, nearest first (`tiers`: host, disk, shared, each optional),
+behind one interface (`kvpool.memory.tiers.lower_tier.LowerTier`): the lookup, the
+write-through, `stats`, `close` and `check_invariants` are each one loop over it. The host
+tier is also named (`host`): swaps and spills copy into its block pool.
+
+Invariants (`check_invariants`): every tier's own; the host blocks held for copies are exactly
+those the transfer queue will release.
 """
 
 from __future__ import annotations
@@ -37,15 +43,17 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.disk_tier import DiskKVTier, DiskTierStats
-from kvpool.memory.host_tier import HostKVTier, HostTierStats
 from kvpool.memory.kv_cache import KVCache
-from kvpool.memory.kv_transfer import KVTransfers
+from kvpool.memory.kv_listener import KVListener
 from kvpool.memory.prefix_cache import BlockHash, CachedBlock
-from kvpool.memory.redis_tier import RedisKVTier, SharedTierStats
-from kvpool.memory.tier_match import LoadedBlock, TierLookup, TierMatch
+from kvpool.memory.tiers.disk_tier import DiskKVTier, DiskTierStats
+from kvpool.memory.tiers.host_tier import HostKVTier, HostTierStats
+from kvpool.memory.tiers.kv_transfer import KVTransfers
+from kvpool.memory.tiers.lower_tier import DISK, HOST, SHARED, LowerTier
+from kvpool.memory.tiers.redis_tier import SharedTierStats
+from kvpool.memory.tiers.tier_match import LoadedBlock, TierLookup, TierMatch
 
-TIERS = ("device", "host", "disk", "shared")  # everywhere: counters, metrics' source label
+TIERS = ("device", HOST, DISK, SHARED)  # everywhere: counters, metrics' source label
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,46 +70,65 @@ class KVTierStats:
     bytes_per_block: int
 
 
-class KVTiers:
-    """Spill, write-through, reload and swap between a device pool and the tiers below it."""
+class KVTiers(KVListener):
+    """Spill, write-through, reload and swap between a device pool and the tiers below it,
+    `tiers`: an ordered list, nearest first, of at most one tier per name (`LowerTier`)."""
 
     def __init__(self, device_pool: BlockPool, device_cache: KVCache,
-                 host: HostKVTier | None = None, disk: DiskKVTier | None = None,
-                 shared: RedisKVTier | None = None) -> None:
+                 tiers: Sequence[LowerTier] = ()) -> None:
+        names = [tier.name for tier in tiers]
+        assert len(set(names)) == len(names), f"one tier per name, got {names}"
         self.device_pool = device_pool
-        self.host = host
-        self.disk = disk
-        self.shared = shared
-        self._lookup = TierLookup(device_pool.block_size, host, disk, shared)
+        self.tiers = list(tiers)
+        self._by_name = {tier.name: tier for tier in self.tiers}
+        host = self.host
+        self._lookup = TierLookup(device_pool.block_size, self.tiers)
         self.bytes_per_block = device_pool.layout.bytes_per_block
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
                                      host.pool.free if host else _nothing_to_release)
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
-        self.on_spill: Callable[[int], None] | None = None  # told of each spill (a recorder)
-        if host is not None or disk is not None or shared is not None:
-            device_pool.tier_hooks = self
+        if self.tiers:
+            device_pool.listeners.add(self, reacts=True)
+        disk = self.disk
         if host is not None and disk is not None:
-            host.pool.tier_hooks = _HostToDisk(host, disk)
+            host.pool.listeners.add(_HostToDisk(host, disk), reacts=True)
         self.reset_counters()
+
+    # The tiers by name (None: not configured); the host tier is the one swaps and spills use.
+    @property
+    def host(self) -> HostKVTier | None:
+        return self._by_name.get(HOST)
+
+    @property
+    def disk(self) -> DiskKVTier | None:
+        return self._by_name.get(DISK)
+
+    @property
+    def shared(self) -> LowerTier | None:
+        return self._by_name.get(SHARED)
 
     @property
     def has_host(self) -> bool:
-        return self.host is not None
+        return HOST in self._by_name
 
     def reset_counters(self) -> None:
         self._num_spilled = 0
         self._num_dropped_spills = 0
         self._num_reloaded = dict.fromkeys(TIERS[1:], 0)
+        self._is_written_through = any(tier.name != HOST for tier in self.tiers)
 
-    # ------------------------------------------------------- device pool hooks
-    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        if self.disk is not None or self.shared is not None:
+    # --------------------------------------------------- device pool listener
+    def block_stored(self, medium: str, block_id: int, block_hash: BlockHash,
+                     parent_hash: BlockHash | None, token_ids: Sequence[int]) -> None:
+        if self._is_written_through:
             self._to_write.append((block_id, block_hash, tuple(token_ids)))
 
-    def evicted(self, block_id: int, entry: CachedBlock) -> None:
-        """Spill the evicted block to the host tier (module docstring)."""
+    def block_evicted(self, medium: str, block_id: int, entry: CachedBlock,
+                      is_kv_intact: bool) -> None:
+        """Spill the evicted block to the host tier (module docstring); not a block whose KV
+        an elastic shrink overwrites now."""
         host = self.host
-        if host is None:
+        if host is None or not is_kv_intact:
             return
         cached_id = host.pool.prefix_cache.lookup(entry.block_hash, entry.token_ids)
         if cached_id is not None:  # already spilled once: only its recency changes
@@ -116,8 +143,7 @@ class KVTiers:
         host.pool.publish(host_id, entry.block_hash, entry.token_ids)
         self.transfers.device_to_host([block_id], [host_id], hold=True)
         self._num_spilled += 1
-        if self.on_spill is not None:
-            self.on_spill(block_id)
+        self.device_pool.listeners.block_spilled(block_id)
 
     # ---------------------------------------------------------------- reload
     def find_below(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
@@ -149,7 +175,7 @@ class KVTiers:
                 counts[source.tier] += 1
             else:
                 self.transfers.host_to_device([source], [device_id])
-                counts["host"] += 1
+                counts[HOST] += 1
         for tier, count in counts.items():
             self._num_reloaded[tier] += count
         return counts
@@ -179,56 +205,54 @@ class KVTiers:
         blocks the step writes (`KVTransfers.run`)."""
         self.transfers.run(written_block_ids)
 
+    def step_ended(self, next_step: int) -> None:
+        self.after_step()
+
     def after_step(self) -> None:
-        """Write the blocks the step published through to disk and the shared tier (off the
-        critical path: each tier's writer thread does the I/O; one snapshot serves both)."""
+        """Write the blocks the step published through to the tiers that want them (off the
+        critical path: each tier's writer thread does the I/O; one snapshot serves all)."""
         if not self._to_write:
             return
         pending, self._to_write = self._to_write, []
-        disk, shared = self.disk, self.shared
-        to_disk = set()
-        if disk is not None and disk.stats().is_enabled:
-            to_disk = {item[1] for item in pending if not disk.contains(item[1])}
-        to_shared = shared.wanted([item[1] for item in pending]) if shared is not None else set()
-        pending = [item for item in pending if item[1] in to_disk or item[1] in to_shared]
+        hashes = [block_hash for _, block_hash, _ in pending]
+        wanted = [(tier, tier.wanted(hashes)) for tier in self.tiers]
+        wanted = [(tier, hashes) for tier, hashes in wanted if hashes]
+        pending = [item for item in pending if any(item[1] in hashes for _, hashes in wanted)]
         if not pending:
             return
         snapshot = self.transfers.snapshot([block_id for block_id, _, _ in pending])
         for row, (_, block_hash, token_ids) in enumerate(pending):
             scales = None if snapshot.scales is None else snapshot.scales[row]
-            for tier, wanted in ((disk, to_disk), (shared, to_shared)):
-                if block_hash in wanted:
+            for tier, hashes in wanted:
+                if block_hash in hashes:
                     tier.store(block_hash, token_ids, snapshot.kv[row], scales, snapshot.ready)
 
     def close(self) -> None:
         """Clean shutdown: finish every copy, write spilled host blocks the disk lacks, wait
-        for the disk's writes and (a bounded wait) the shared tier's."""
+        for every tier's writes (the shared tier's: a bounded wait), farthest tier first."""
         self.transfers.synchronize()
         self.after_step()
-        if self.shared is not None:
-            self.shared.close()
-        if self.disk is None:
-            return
-        if self.host is not None:
-            for host_id in self.host.pool.evictable_block_ids():
-                _write_host_block(self.host, host_id, self.disk)
-        self.disk.close()
+        host, disk = self.host, self.disk
+        if host is not None and disk is not None:
+            for host_id in host.pool.evictable_block_ids():
+                _write_host_block(host, host_id, disk)
+        for tier in reversed(self.tiers):
+            tier.close()
 
     def reset(self) -> None:
         """With no sequence swapped: spilled host blocks dropped, counters zero (the disk
         keeps its files: surviving is its point)."""
         self.transfers.synchronize()
         self._to_write.clear()
-        if self.host is not None:
-            self.host.reset()
+        for tier in self.tiers:
+            tier.reset()
         self.reset_counters()
 
     # -------------------------------------------------------------- reporting
     def stats(self) -> KVTierStats:
+        stats = {tier.name: tier.stats() for tier in self.tiers}
         return KVTierStats(
-            host=self.host.stats() if self.host else None,
-            disk=self.disk.stats() if self.disk else None,
-            shared=self.shared.stats() if self.shared else None,
+            host=stats.get(HOST), disk=stats.get(DISK), shared=stats.get(SHARED),
             num_spilled_blocks=self._num_spilled,
             num_dropped_spills=self._num_dropped_spills,
             num_reloaded_blocks=dict(self._num_reloaded),
@@ -238,28 +262,23 @@ class KVTiers:
     def check_invariants(self, num_swapped_host_blocks: int = 0) -> None:
         """Assert the tiers' invariants; `num_swapped_host_blocks` is what swapped sequences
         hold, so that at quiescence the host's used blocks are exactly those."""
-        if self.host is not None:
-            self.host.check_invariants()
-            held = self.transfers.num_held_host_blocks
-            assert self.host.pool.num_used_blocks == num_swapped_host_blocks + held, (
-                "host blocks leaked")
-        for tier in (self.disk, self.shared):
-            if tier is not None:
-                tier.flush()
-                tier.check_invariants()
+        for tier in self.tiers:
+            tier.flush()
+            tier.check_invariants()
+        held = self.transfers.num_held_host_blocks
+        host_used = 0 if self.host is None else self.host.pool.num_used_blocks
+        assert host_used == num_swapped_host_blocks + held, "host blocks leaked"
 
 
-class _HostToDisk:
-    """The host pool's hooks: a spilled block the host evicts goes to disk if not there."""
+class _HostToDisk(KVListener):
+    """The host pool's listener: a spilled block the host evicts goes to disk if not there."""
 
     def __init__(self, host: HostKVTier, disk: DiskKVTier) -> None:
         self.host = host
         self.disk = disk
 
-    def published(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        return None
-
-    def evicted(self, block_id: int, entry: CachedBlock) -> None:
+    def block_evicted(self, medium: str, block_id: int, entry: CachedBlock,
+                      is_kv_intact: bool) -> None:
         if not self.disk.contains(entry.block_hash):
             _write_host_block(self.host, block_id, self.disk, entry)
 
