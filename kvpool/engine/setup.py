@@ -159,7 +159,7 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
             f"max_model_len {max_model_len} exceeds the model's limit "
             f"{model_config.max_position_embeddings}"
         )
-    layout = KVLayout.for_model(model_config, config.block_size, dtype, config.kv_cache_dtype)
+    layout = model_config.kv_layout(config.block_size, dtype, config.kv_cache_dtype)
     layout = dataclasses.replace(layout,
                                  num_kv_heads=tp.num_local_kv_heads(model_config.num_kv_heads))
     namespace = kv_namespace(config, layout, dtype)

@@ -106,10 +106,13 @@ def test_quantized_bytes_per_block_count_the_scales():
 ])
 def test_kv_cache_dtype_options_resolve_to_a_storage_dtype(option, storage):
     config = ModelConfig.preset("tiny")
-    layout = KVLayout.for_model(config, 16, torch.bfloat16, option)
+    layout = config.kv_layout(16, torch.bfloat16, option)
     assert layout.dtype == storage
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        KVLayout.for_model(config, 16, torch.bfloat16, "int4")
+        config.kv_layout(16, torch.bfloat16, "int4")
+    # The model's constructor is the memory core's, fed the model's numbers.
+    assert layout == KVLayout.resolve(16, config.num_layers, config.num_kv_heads,
+                                      config.head_dim, "bfloat16", option)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
