@@ -24,8 +24,8 @@ once with its token and never changes, and its error is measured smaller
 (`kvpool bench kv-granularity`, docs/memory.md). It costs 4 bytes per 64-element
 row (6%), which `KVLayout.bytes_per_block` counts.
 
-The functions here are the reference every kernel is tested against (`kvpool.memory.kv_cache`
-writes with them on paths no kernel serves).
+The functions here are the reference every kernel is tested against (the KV write's reference,
+`kvpool.attention.kv_write.write_kv_reference`, quantizes with them).
 """
 
 from __future__ import annotations
@@ -33,11 +33,6 @@ from __future__ import annotations
 import torch
 
 from kvpool.memory.kv_layout import QUANTIZED_CODE_MAX
-
-
-def is_quantized(dtype: torch.dtype) -> bool:
-    """Whether a KV tensor of this dtype holds codes that need scales."""
-    return str(dtype).removeprefix("torch.") in QUANTIZED_CODE_MAX
 
 
 def qmax(dtype: torch.dtype) -> float:
