@@ -39,10 +39,8 @@ def random_prompts(workload: Workload, vocab_size: int) -> list[list[int]]:
 
 def decode_bound(model_config, weight_bytes: int, workload: Workload, bandwidth: float) -> dict:
     """Bytes a mean decode step must read, and the time that takes at `bandwidth`."""
-    from kvpool.memory.kv_layout import KVLayout
-
     dtype = getattr(torch, workload.dtype)
-    kv_bytes_per_token = KVLayout.for_model(model_config, 1, dtype).bytes_per_token
+    kv_bytes_per_token = model_config.kv_layout(1, dtype).bytes_per_token
     mean_context = workload.prompt_len + workload.output_len / 2
     kv_bytes = int(workload.batch * mean_context * kv_bytes_per_token)
     return {

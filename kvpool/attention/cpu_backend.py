@@ -19,9 +19,7 @@ import torch
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend
 from kvpool.kernels.cpu_kernels import load_cpu_kernels
-from kvpool.memory.kv_quant import is_quantized
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from kvpool.kernels.dtypes import is_kernel_float, is_kv_code
 
 
 def paged_decode(
@@ -58,9 +56,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # A float cache is read as it is; a quantized one (int8 / fp8 codes) with its scales.
-        cache_served = (kv_cache_layer.dtype in KERNEL_DTYPES if kv_scales is None
-                        else is_quantized(kv_cache_layer.dtype))
-        if query.device.type != "cpu" or query.dtype not in KERNEL_DTYPES or not cache_served:
+        cache_served = (is_kernel_float(kv_cache_layer) if kv_scales is None
+                        else is_kv_code(kv_cache_layer.dtype))
+        if query.device.type != "cpu" or not is_kernel_float(query) or not cache_served:
             return super()._decode(query, kv_cache_layer, metadata, scale, kv_scales)
         num_decode = query.shape[0]
         return paged_decode(

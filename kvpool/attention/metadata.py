@@ -20,6 +20,11 @@ Invariants: `query_start_loc[0] == 0`, `query_start_loc[-1] == num_tokens`,
 (`NULL_BLOCK_ID`, whose KV is zero: a read past the end never sees another request's KV), and
 `slot_mapping` has one slot per new token, in the same flattened order. Block size and every
 other fact about the KV cache come from `layout`, the engine's one `KVLayout`.
+
+This is the step's attention plan: the model runner builds it once per step
+(`ModelRunner.prepare`) and every layer's backend call reads it. What backends plan on the host
+is in it as host values (`query_start_loc_cpu`, `max_decode_seq_len`, `max_prefill_query_len`),
+so no layer reads a tensor back or re-derives them.
 """
 
 from __future__ import annotations
@@ -41,8 +46,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, null-block padded
     query_lens_cpu: tuple[int, ...]  # host copies, for backends that plan on the CPU
     seq_lens_cpu: tuple[int, ...]
+    query_start_loc_cpu: tuple[int, ...]
     layout: KVLayout
     num_decode_seqs: int  # the first num_decode_seqs sequences have query_len == 1
+    max_decode_seq_len: int  # the longest context among the decodes (0: none)
+    max_prefill_query_len: int  # the most new tokens among the rest (0: none)
 
     @property
     def block_size(self) -> int:
@@ -103,6 +111,9 @@ class AttentionMetadata:
             ),
             query_lens_cpu=tuple(query_lens),
             seq_lens_cpu=tuple(seq_lens),
+            query_start_loc_cpu=tuple(starts),
             layout=layout,
             num_decode_seqs=num_decode_seqs,
+            max_decode_seq_len=max(seq_lens[:num_decode_seqs], default=0),
+            max_prefill_query_len=max(query_lens[num_decode_seqs:], default=0),
         )

@@ -18,8 +18,8 @@ Prefill keeps the `[1, num_heads, query_len, head_dim]` shape with `enable_gqa`,
 is the shape PyTorch's fused (flash) CPU kernel takes: the folded one fell back to the unfused
 math path, about 4.5x slower for a 512-token prompt.
 
-Quantized KV (int8 / fp8 codes with `kv_scales`): the write quantizes each row
-(`kvpool.memory.kv_quant.quantize`), and the gather dequantizes the gathered copy of the codes
+Quantized KV (int8 / fp8 codes with `kv_scales`): the write (`kvpool.attention.kv_write`)
+quantizes each row, and the gather dequantizes the gathered copy of the codes
 into the query's dtype (`code * scale`). Being the reference, it may: the kernels dequantize in
 registers instead.
 """
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
+from kvpool.attention.kv_write import write_kv
 from kvpool.attention.metadata import AttentionMetadata
-from kvpool.kernels.fused import write_kv_
 from kvpool.memory.kv_quant import dequantize
 
 # `enable_gqa` arrived in PyTorch 2.5; older versions get K/V repeated per query head instead.
@@ -198,14 +198,14 @@ class TorchAttentionBackend:
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        write_kv_(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
+        write_kv(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
         if num_decode:
             output[:num_decode] = self._decode(
                 query[:num_decode], kv_cache_layer, metadata, scale, kv_scales
             )
-        starts = metadata.query_start_loc.tolist()
+        starts = metadata.query_start_loc_cpu
         for seq_index in range(num_decode, metadata.num_seqs):
             self._prefill_one(
                 query, output, kv_cache_layer, metadata, seq_index, starts[seq_index], scale,

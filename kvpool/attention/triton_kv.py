@@ -1,5 +1,6 @@
-"""Triton kernels that move KV data: writing a step's new K/V into their slots, and copying
-whole blocks (copy-on-write, migration).
+"""Triton kernels that move KV data: writing a step's new K/V into their slots (the kernel
+only: `kvpool.attention.kv_write.write_kv_triton` launches it, with the op's reference and
+check beside it), and copying whole blocks (copy-on-write, migration).
 
 Layout (`kvpool.attention.backend`): a layer view is
 `[num_blocks, 2, block_size, num_kv_heads, head_dim]`, strided across blocks; the whole cache is
@@ -10,15 +11,15 @@ dimension must be contiguous.
 Quantized KV (`kv_cache_dtype` int8 / fp8, `kvpool.memory.kv_quant`): the cache holds codes
 and a scale tensor `[num_blocks, 2, block_size, num_kv_heads]` float32 (a layer view of
 `KVCache.scales`; innermost dimension contiguous) holds one scale per (token, KV head), K and V
-apart. `write_kv` quantizes in the kernel, as `kv_quant.quantize` does: per row
+apart. `write_kv_kernel` quantizes, as `kv_quant.quantize` does: per row
 `scale = amax(|row|) / qmax` (1 for an all-zero row), code = `row / scale` clamped to ±qmax and
 rounded to nearest even (int8 to an integer; fp8 to the format, in integer arithmetic on the
 float32 bits, because the interpreter's float → fp8 conversion does not round to nearest even).
 Both divisions are IEEE (`div_rn`; plain `/` is approximate on the GPU), so codes and scales
-equal the torch reference's bit for bit. `KV_QUANT` (a constexpr: `kv_quant_mode`) selects the
-path, so a float cache compiles to the kernel it always was. The scales of a block move with its
-codes: `copy_blocks` on the scale tensor copies them (each block is one contiguous range there
-too).
+equal the torch reference's bit for bit. `KV_QUANT` (a constexpr: `kv_quant_mode`, from the
+kernels' dtype table `kvpool.kernels.dtypes`) selects the path, so a float cache compiles to the
+kernel it always was. The scales of a block move with its codes: `copy_blocks` on the scale
+tensor copies them (each block is one contiguous range there too).
 
 Invariants the callers keep (checked on the host where that is free):
 - `slot_mapping` holds one slot per new token, `block_id * block_size + offset`, all distinct.
@@ -34,29 +35,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.memory.kv_layout import QUANTIZED_CODE_MAX
+from kvpool.kernels import dtypes
+from kvpool.kernels.dtypes import KV_QUANT_NONE
 
 COPY_CHUNK = 4096  # elements per program in the block copy: 8 KiB of bf16, 16 B per thread
-
-# KV_QUANT modes of the kernels: how the cache stores K/V (float is the cache's own dtype).
-KV_QUANT_NONE, KV_QUANT_INT8, KV_QUANT_E4M3, KV_QUANT_E5M2 = 0, 1, 2, 3
-_KV_QUANT_MODES = {
-    torch.int8: KV_QUANT_INT8,
-    torch.float8_e4m3fn: KV_QUANT_E4M3,
-    torch.float8_e5m2: KV_QUANT_E5M2,
-}
-# The largest code of each mode (the layout owns them; 1 for a float cache, never used).
-KV_QUANT_MAX = {KV_QUANT_NONE: 1.0} | {
-    mode: QUANTIZED_CODE_MAX[str(dtype).removeprefix("torch.")]
-    for dtype, mode in _KV_QUANT_MODES.items()
-}
 
 
 def kv_quant_mode(kv_cache_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
     """The kernels' `KV_QUANT` for a cache layer view and its scales (None for a float cache);
     asserts that the scales fit the cache: `[num_blocks, 2, block_size, num_kv_heads]` float32,
     innermost dimension contiguous."""
-    mode = _KV_QUANT_MODES.get(kv_cache_layer.dtype, KV_QUANT_NONE)
+    mode = dtypes.kv_quant_mode(kv_cache_layer.dtype)
     if mode == KV_QUANT_NONE:
         assert kv_scales is None, f"a {kv_cache_layer.dtype} KV cache has no scales"
         return mode
@@ -125,7 +114,7 @@ def quantize_rows(rows, KV_QUANT: tl.constexpr, QMAX: tl.constexpr, CODE_TYPE: t
 
 
 @triton.jit
-def _write_kv_kernel(
+def write_kv_kernel(
     key_ptr,
     value_ptr,
     kv_ptr,
@@ -207,47 +196,6 @@ def _copy_blocks_kernel(
     dst_block_id = tl.load(dst_ids_ptr + copy_id).to(tl.int64)
     data = tl.load(kv_ptr + src_block_id * stride_block + offsets, mask=mask)
     tl.store(kv_ptr + dst_block_id * stride_block + offsets, data, mask=mask)
-
-
-def write_kv(
-    kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
-    kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
-) -> None:
-    """Store each new token's K and V at its slot (`kv[block, 0|1, offset]`); same contract as
-    `kvpool.memory.kv_cache.write_kv`. A quantized cache (int8 / fp8, with `kv_scales`) stores
-    each (token, KV head) row's codes and its scale at `kv_scales[block, 0|1, offset, head]`."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    assert value.shape == key.shape, "key and value must have the same shape"
-    assert kv_cache_layer.shape[3:] == (num_kv_heads, head_dim), "cache heads/dim mismatch"
-    assert slot_mapping.shape == (num_tokens,), "one slot per new token"
-    assert key.stride(2) == value.stride(2) == kv_cache_layer.stride(4) == 1
-    mode = kv_quant_mode(kv_cache_layer, kv_scales)
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        kv_cache_layer,
-        kv_cache_layer if kv_scales is None else kv_scales,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        *kv_cache_layer.stride()[:4],
-        *scale_strides(kv_scales),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache_layer.shape[2],
-        KV_QUANT=mode,
-        QMAX=KV_QUANT_MAX[mode],
-        num_warps=4,
-    )
 
 
 def copy_blocks(

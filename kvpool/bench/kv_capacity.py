@@ -1,6 +1,6 @@
 """`kvpool bench kv-capacity`: how many KV blocks and tokens one budget holds per KV dtype.
 
-For each `kv_cache_dtype` the model's KV layout is built (`KVLayout.for_model`), the budget is
+For each `kv_cache_dtype` the model's KV layout is built (`ModelConfig.kv_layout`), the budget is
 cut into blocks exactly as the engine cuts it (`num_blocks_for_memory`, the null block
 included), and the KV memory is really allocated (`KVMemory`: the arena of codes plus, for int8
 and fp8, the scale pool), so the bytes reported are the tensors' own sizes, not a formula's.
@@ -47,7 +47,7 @@ def run_capacity(model: str | None, block_size: int, budget_bytes: int,
     config = make_loader(model).load_config()
     rows = {}
     for kv_dtype in kv_dtypes:
-        layout = KVLayout.for_model(config, block_size, torch.float32, kv_dtype)
+        layout = config.kv_layout(block_size, torch.float32, kv_dtype)
         rows[kv_dtype] = measure_capacity(layout, budget_bytes)
     for row in rows.values():
         for base in ("float32", "bfloat16"):

@@ -95,12 +95,11 @@ def decode_step_estimate(config: ModelConfig, tp_size: int, batch: int, context:
                          hardware: Hardware = H200) -> dict:
     """Per-GPU bytes and times of one decode step (module docstring's formulas)."""
     from kvpool.bench.roofline import weight_bytes_read_per_step
-    from kvpool.memory.kv_layout import KVLayout
 
     check_shapes(config, tp_size)
     element_size = torch.empty((), dtype=dtype).element_size()
     local_kv_heads = TensorParallel(0, tp_size).num_local_kv_heads(config.num_kv_heads)
-    kv_per_token = KVLayout.for_model(config, 1, dtype).bytes_per_token
+    kv_per_token = config.kv_layout(1, dtype).bytes_per_token
     weight_bytes = weight_bytes_read_per_step(config, dtype) / tp_size
     kv_bytes = batch * context * kv_per_token * local_kv_heads / config.num_kv_heads
     hbm_s = (weight_bytes + kv_bytes) / hardware.hbm_bytes_per_s

@@ -173,8 +173,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvpool.sim import report
     from kvpool.sim.model_shape import kv_shape
+    from kvpool.sim.roster import build_strategies
     from kvpool.sim.simulate import simulate
-    from kvpool.sim.strategies import SimConfig, build_strategies
+    from kvpool.sim.strategies import SimConfig
     from kvpool.sim.trace import describe, save_jsonl
 
     requests, replay = _build_trace(args)

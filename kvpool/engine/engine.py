@@ -51,9 +51,8 @@ from kvpool.engine.output_processor import OutputProcessor
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.preemption import PreemptionPolicy
 from kvpool.engine.request_intake import PromptInput, RequestIntake
-from kvpool.engine.sampler import Sampler, SamplerOutput
+from kvpool.engine.sampling import Sampler, SamplerOutput, sampling_rows
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.engine.sampling_rows import sampling_rows
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request
 from kvpool.engine.setup import EngineParts, build_engine_parts, make_runner

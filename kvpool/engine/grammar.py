@@ -12,9 +12,11 @@ the steps).
 
 `GrammarMatcher` is one sequence's position in its grammar: `fill` writes the allowed next
 tokens into a row of an int32 bitmask (bit `t % 32` of word `t // 32` set: token t allowed),
-`accept` advances by the sampled token. A matcher only ever moves forward with the sequence's
-output tokens, which preemption (recompute or swap) keeps, so its state stays valid across
-preemptions. Token ids the model has beyond the tokenizer's are never allowed.
+`accept` advances by the sampled token; the sampler does both (`kvpool.engine.sampling`). A
+matcher moves forward with the sequence's output tokens, which preemption (recompute or swap)
+keeps, so its state stays valid across preemptions; it moves back only to undo a step that was
+rolled back after sampling (`rewind_to`). Token ids the model has beyond the tokenizer's are
+never allowed.
 """
 
 from __future__ import annotations
@@ -55,12 +57,30 @@ _INVALID = {
 
 
 class GrammarMatcher:
-    """One sequence's state in its grammar (an xgrammar matcher), advanced token by token."""
+    """One sequence's state in its grammar (an xgrammar matcher), advanced token by token by
+    the sampler (`kvpool.engine.sampling.constraints.advance_grammars`) and read by the stop
+    rules (`is_rejected`, `is_terminated`).
 
-    __slots__ = ("_matcher",)
+    Invariant: `num_accepted` counts the tokens the xgrammar matcher has accepted; it equals
+    the sequence's output tokens between steps, or is one less once the grammar rejected a
+    token (the sequence then stops), and runs ahead only after a step that was rolled back,
+    until `rewind_to` brings it back."""
+
+    __slots__ = ("_matcher", "is_rejected", "num_accepted")
 
     def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
         self._matcher = matcher
+        self.num_accepted = 0
+        self.is_rejected = False  # the latest token was one the grammar does not allow
+
+    def rewind_to(self, num_tokens: int) -> None:
+        """Forget the tokens accepted beyond the first `num_tokens` (those of a step rolled
+        back after the sampler ran: its sequences never got them)."""
+        excess = self.num_accepted - num_tokens
+        if excess > 0:
+            self._matcher.rollback(excess)
+            self.num_accepted = num_tokens
+        self.is_rejected = False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the tokens allowed next into `bitmask[row]` (a CPU int32 tensor of
@@ -71,8 +91,13 @@ class GrammarMatcher:
         return self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by `token_id`; False (state unchanged) if the grammar does not allow it."""
-        return self._matcher.accept_token(token_id)
+        """Advance by `token_id`; False (state unchanged, `is_rejected` set) if the grammar
+        does not allow it."""
+        is_accepted = self._matcher.accept_token(token_id)
+        if is_accepted:
+            self.num_accepted += 1
+        self.is_rejected = not is_accepted
+        return is_accepted
 
     @property
     def is_terminated(self) -> bool:

@@ -103,13 +103,26 @@ class ModelRunner:
         self, chunks: Sequence[ModelChunk], block_copies: Sequence[BlockCopy] = ()
     ) -> StepLogits:
         """Apply pending block copies, run the step, return its logits split into sampling
-        rows and prompt-logprob rows."""
-        self.kv_cache.copy_blocks(block_copies)
-        if not chunks:
+        rows and prompt-logprob rows. The inputs are prepared once here; `run_step` is where a
+        subclass changes how the step runs (tensor parallelism shares it with its workers)."""
+        inputs = self.prepare(chunks) if chunks else None
+        logits = self.run_step(tuple(block_copies), inputs)
+        if inputs is None or logits is None:
             empty = torch.empty(0, device=self.device)
             return StepLogits(empty, empty)
-        inputs = self.prepare(chunks)
-        logits = self.model(
+        split = inputs.num_sampling_rows
+        return StepLogits(logits[:split], logits[split:])
+
+    def run_step(
+        self, block_copies: tuple[BlockCopy, ...], inputs: StepInputs | None
+    ) -> torch.Tensor | None:
+        """The copies, then the model on prepared inputs (None: a step of copies only);
+        returns the logits rows `inputs.logits_indices` asked for, None without inputs or
+        where this process's model returns none (a tensor-parallel worker's shard)."""
+        self.kv_cache.copy_blocks(block_copies)
+        if inputs is None:
+            return None
+        return self.model(
             inputs.token_ids,
             inputs.positions,
             self.kv_cache.tensor,
@@ -117,8 +130,6 @@ class ModelRunner:
             inputs.logits_indices,
             self.kv_cache.scales,
         )
-        split = inputs.num_sampling_rows
-        return StepLogits(logits[:split], logits[split:])
 
     def prepare(self, chunks: Sequence[ModelChunk]) -> StepInputs:
         """Flatten the chunks (decodes first) into the model's inputs."""

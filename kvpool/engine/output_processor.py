@@ -94,15 +94,16 @@ class OutputProcessor:
         self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None
     ) -> StopDecision | None:
         """Record the token `seq` just got (already appended to it); return why the sequence
-        stops, or None. A structured sequence's grammar advances first: a token it rejects
-        (only possible when it masked every token) stops the sequence, and so does a grammar
-        that has ended (its stop token accepted where EOS does not stop, e.g. ignore_eos)."""
+        stops, or None. A structured sequence's grammar, already advanced by the sampler, is
+        read: a token it rejected (only possible when it masked every token) stops the
+        sequence, and so does a grammar that has ended (its stop token accepted where EOS does
+        not stop, e.g. ignore_eos)."""
         params = seq.request.params
         state = self._state(seq)
         if state.logprobs is not None and logprobs is not None:
             state.logprobs.append(self._decorate(logprobs))
             state.cumulative_logprob += logprobs[token_id].logprob
-        if seq.matcher is not None and not seq.matcher.accept(token_id):
+        if seq.matcher is not None and seq.matcher.is_rejected:
             logger.warning("request %s: its grammar rejected token %d (every token was masked)"
                            "; stopping", seq.request.request_id, token_id)
             return FinishReason.STOP, None

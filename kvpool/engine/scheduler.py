@@ -47,7 +47,7 @@ from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.outputs import Logprob
 from kvpool.engine.preemption import HYSTERESIS_STEPS, RECOMPUTE
 from kvpool.engine.prompt_logprobs import chunk_positions
-from kvpool.engine.sampler import SamplerOutput
+from kvpool.engine.sampling.sampler import SamplerOutput
 from kvpool.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 from kvpool.engine.waiting_queue import WaitingQueue

@@ -1,4 +1,5 @@
-"""Engine start-up: load the model, size the KV budget, reserve it once, build the pool.
+"""Engine start-up: load the model (`kvpool.engine.model_loading`), size the KV budget,
+reserve it once, build the pool.
 
 Sizing rule, first match wins:
 1. `num_gpu_blocks`: exactly that many blocks;
@@ -38,14 +39,17 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvpool.attention.selector import get_attention_backend
 from kvpool.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from kvpool.engine.generation_config import default_sampling_params
+from kvpool.engine.model_loading import load_engine_model, resolve_device
 from kvpool.engine.model_runner import ModelRunner
+from kvpool.engine.parallel import TensorParallelRunner, WorkerGroup
+from kvpool.engine.parallel.group import rank_device
+from kvpool.engine.parallel.messages import KVSpec
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.kv_layout import KVLayout
@@ -54,14 +58,11 @@ from kvpool.memory.tiers.disk_tier import DiskKVTier
 from kvpool.memory.tiers.redis_tier import RedisKVTier
 from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import AUTO, resolve_dtype
-from kvpool.model.loaders.auto import load_model, make_loader
+from kvpool.model.loaders.auto import make_loader
 from kvpool.model.loaders.base import LoadedModel
 from kvpool.model.loaders.hub import resolve_model_path
 from kvpool.model.parallel import TensorParallel, check_shapes
 from kvpool.model.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from kvpool.engine.parallel import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -83,35 +84,6 @@ class EngineParts:
     workers: WorkerGroup | None = None  # the other ranks, with tensor_parallel_size > 1
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
-    return device
-
-
-def load_engine_model(config: EngineConfig, tp: TensorParallel | None = None,
-                      device: torch.device | None = None) -> LoadedModel:
-    """Load the configured model (weights, tokenizer) on the configured device (or
-    `device`), in the configured dtype ("auto" decided for that device); with a parallel
-    `tp`, only this rank's shard."""
-    device = device or resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    logger.info("loading the model in %s on %s (dtype=%r)", dtype, device, config.dtype)
-    shard = {"tp": tp} if tp is not None and tp.is_parallel else {}
-    return load_model(
-        config.model,
-        load_format=config.load_format,
-        dtype=dtype,
-        device=device,
-        attention_backend=get_attention_backend(config.attention_backend, device),
-        seed=config.seed,
-        **shard,
-    )
-
-
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     """Everything an engine runs on; pass `loaded` to reuse a model already in memory (its
     dtype is the engine's: `config.dtype` "auto" takes it, an explicit one must match it).
@@ -125,10 +97,6 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
 
 def _build_parallel_parts(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Rank 0's parts and the started workers (see the module docstring)."""
-    from kvpool.engine.parallel import WorkerGroup
-    from kvpool.engine.parallel.group import rank_device
-    from kvpool.engine.parallel.messages import KVSpec
-
     if loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads the model itself, one shard per "
                          "rank: it cannot take a model loaded beforehand")
@@ -159,7 +127,7 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
             f"max_model_len {max_model_len} exceeds the model's limit "
             f"{model_config.max_position_embeddings}"
         )
-    layout = KVLayout.for_model(model_config, config.block_size, dtype, config.kv_cache_dtype)
+    layout = model_config.kv_layout(config.block_size, dtype, config.kv_cache_dtype)
     layout = dataclasses.replace(layout,
                                  num_kv_heads=tp.num_local_kv_heads(model_config.num_kv_heads))
     namespace = kv_namespace(config, layout, dtype)
@@ -276,7 +244,5 @@ def make_runner(parts: EngineParts) -> ModelRunner:
     """The model runner: rank 0's tensor-parallel one when there are workers."""
     if parts.workers is None:
         return ModelRunner(parts.model, parts.kv_memory.kv_cache, parts.device)
-    from kvpool.engine.parallel import TensorParallelRunner
-
     return TensorParallelRunner(parts.model, parts.kv_memory.kv_cache, parts.device,
                                 parts.workers)

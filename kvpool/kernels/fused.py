@@ -10,9 +10,9 @@ values (float32 up to summation order).
     add_rms_norm_(x, residual, w, eps)    residual += x; x = rms_norm(residual)   (in place)
     silu_and_mul(x)                       silu(x[:, :I]) * x[:, I:]
     rotary_(x, positions, cos, sin)       "rotate half" rotation of q or k, in place
-    write_kv_(kv_layer, key, value, slot_mapping[, kv_scales])   scatter new K/V (quantized
-                                          with kv_scales) into their slots; the quantizing
-                                          kernel's codes and scales equal the reference's
+
+The KV write (`write_kv_`, `write_kv_quantized_` in the same C++ file) is dispatched, with its
+reference and check, by `kvpool.attention.kv_write`, its one home.
 
 `rotary_` has no fallback of its own: its reference is `kvpool.model.rope.apply_rotary`, and
 `StepRotary` there picks the path once per step (`is_served`).
@@ -26,10 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.kernels.cpu_kernels import cpu_kernels_available
-from kvpool.memory.kv_cache import write_kv as write_kv_reference
-from kvpool.memory.kv_quant import is_quantized
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from kvpool.kernels.dtypes import is_kernel_float
 
 
 @functools.cache
@@ -39,7 +36,7 @@ def _kernels_loaded() -> bool:
 
 def is_served(*tensors: torch.Tensor) -> bool:
     """Whether the C++ kernels take these tensors (CPU, a float dtype they know)."""
-    return (all(t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES for t in tensors)
+    return (all(t.device.type == "cpu" for t in tensors) and is_kernel_float(*tensors)
             and _kernels_loaded())
 
 
@@ -87,21 +84,3 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     float32 `cos`/`sin` tables [max_positions, head_dim] (rounded to x's dtype first). The C++
     kernel only: call it where `is_served(x)`."""
     torch.ops.kvpool_cpu.rotary_(x, positions, cos, sin)
-
-
-def write_kv_(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-    """Scatter the new tokens' K and V into their slots of one layer's cache view; with
-    `kv_scales` (a quantized cache) each row is quantized and its scale stored beside it."""
-    if kv_scales is not None:
-        if (is_served(key, value) and kv_layer.device.type == kv_scales.device.type == "cpu"
-                and is_quantized(kv_layer.dtype) and kv_scales.dtype == torch.float32):
-            torch.ops.kvpool_cpu.write_kv_quantized_(kv_layer, kv_scales, key, value,
-                                                     slot_mapping)
-            return
-        write_kv_reference(kv_layer, key, value, slot_mapping, kv_scales)
-        return
-    if is_served(kv_layer, key, value):
-        torch.ops.kvpool_cpu.write_kv_(kv_layer, key, value, slot_mapping)
-        return
-    write_kv_reference(kv_layer, key, value, slot_mapping)

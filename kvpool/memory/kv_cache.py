@@ -37,7 +37,6 @@ import torch
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.kv_layout import KVLayout
-from kvpool.memory.kv_quant import quantize
 
 
 class KVCache:
@@ -102,24 +101,3 @@ class KVCache:
         self.tensor[dst] = self.tensor[src]
         if self.scales is not None:
             self.scales[dst] = self.scales[src]
-
-
-def write_kv(
-    kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
-    kv_scales_layer: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
-) -> None:
-    """Scatter the new tokens' K and V into their slots (one indexed write each); a quantized
-    cache stores each row's codes and its scale (`kvpool.memory.kv_quant.quantize`)."""
-    block_size = kv_cache_layer.shape[2]
-    block_ids = slot_mapping // block_size
-    offsets = slot_mapping % block_size
-    for plane, rows in ((0, key), (1, value)):
-        if kv_scales_layer is None:
-            kv_cache_layer[block_ids, plane, offsets] = rows.to(kv_cache_layer.dtype)
-            continue
-        codes, scales = quantize(rows, kv_cache_layer.dtype)
-        kv_cache_layer[block_ids, plane, offsets] = codes
-        kv_scales_layer[block_ids, plane, offsets] = scales

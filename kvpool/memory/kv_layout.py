@@ -1,9 +1,10 @@
 """The KV layout: the one owner of every fact about how KV is cut into blocks and laid out.
 
 Block size, layer count, KV heads, head dim and KV dtype are decided once, at start-up
-(`KVLayout.for_model`), and every consumer (block pool, block tables, KV tensors, model runner,
-attention metadata, sizing) is handed this object, never a copy of its fields. Every block
-count, slot and byte size is a method here, so the formulas exist once:
+(`KVLayout.resolve`, from plain numbers; for a model, `ModelConfig.kv_layout` calls it, so the
+memory core never knows the model), and every consumer (block pool, block tables, KV tensors,
+model runner, attention metadata, sizing) is handed this object, never a copy of its fields.
+Every block count, slot and byte size is a method here, so the formulas exist once:
 
     slot of token position p   =  block_ids[p // block_size] * block_size + p % block_size
     blocks for n tokens        =  ceil(n / block_size)
@@ -15,13 +16,15 @@ The KV tensor is block-major (see `kvpool.memory.kv_cache`):
 `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; `tensor_shape` says so and
 `check_tensor` asserts it.
 
-The dtype is the KV *storage* dtype (`kv_cache_dtype`, `kvpool.memory.kv_quant`), kept by
-name so that the pure-Python memory core (block pool, tables, prefix cache) never imports
-torch; `torch_dtype` converts. A quantized dtype (int8, fp8) has one float32 scale per
-(token, KV head) for K and for V, in a tensor of its own indexed by the same block ids
-(`scale_tensor_shape`: `[num_blocks, num_layers, 2, block_size, num_kv_heads]`). Bytes per block
-include the scales, so every capacity figure that follows from `bytes_per_block` is honest;
-`kv_bytes_per_block` is the K/V codes alone (what the arena holds).
+The dtype is the KV *storage* dtype, kept by name so that the pure-Python memory core (block
+pool, tables, prefix cache) never imports torch; `torch_dtype` converts. This module owns every
+fact about storage dtypes (the `kv_cache_dtype` option's names, element sizes, which dtypes are
+quantized and their largest code); `kvpool.memory.kv_quant` owns the quantizer that uses them.
+A quantized dtype (int8, fp8) has one float32 scale per (token, KV head) for K and for V, in a
+tensor of its own indexed by the same block ids (`scale_tensor_shape`:
+`[num_blocks, num_layers, 2, block_size, num_kv_heads]`). Bytes per block include the scales,
+so every capacity figure that follows from `bytes_per_block` is honest; `kv_bytes_per_block` is
+the K/V codes alone (what the arena holds).
 """
 
 from __future__ import annotations
@@ -33,10 +36,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.model.config import ModelConfig
-
 # The `kv_cache_dtype` option (vLLM's names) → the KV storage dtype's torch name; "auto" is
-# the model's dtype (`kvpool.memory.kv_quant.resolve_kv_cache_dtype`).
+# the model's dtype (`resolve_kv_cache_dtype`).
 KV_CACHE_DTYPES = {
     "auto": None,
     "float32": "float32",
@@ -54,6 +55,22 @@ KV_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_
 # code magnitude (a row's scale maps its amax onto it).
 QUANTIZED_CODE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 SCALE_SIZE = 4  # bytes: scales are float32
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The storage dtype's torch name for a `kv_cache_dtype` option; ValueError, naming the
+    choices, for an unknown one. `model_dtype` is the model's torch dtype name."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    storage = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+    if storage.startswith("float8"):
+        import torch
+
+        if not hasattr(torch, storage):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs torch.{storage} "
+                             f"(PyTorch >= 2.1); this is PyTorch {torch.__version__}")
+    return storage
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -80,14 +97,12 @@ class KVLayout:
             raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPE_SIZES)}, got {self.dtype}")
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype,
-                  kv_cache_dtype: str = "auto") -> KVLayout:
-        """The layout of a model's KV cache with blocks of `block_size` tokens, stored as
-        `kv_cache_dtype` ("auto": the model's `dtype`)."""
-        from kvpool.memory.kv_quant import resolve_kv_cache_dtype
-
-        name = resolve_kv_cache_dtype(kv_cache_dtype, str(dtype).removeprefix("torch."))
-        return cls(block_size, config.num_layers, config.num_kv_heads, config.head_dim, name)
+    def resolve(cls, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                model_dtype: str, kv_cache_dtype: str = "auto") -> KVLayout:
+        """The layout of blocks of `block_size` tokens stored as `kv_cache_dtype` ("auto":
+        `model_dtype`, a torch dtype name such as "bfloat16")."""
+        dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
+        return cls(block_size, num_layers, num_kv_heads, head_dim, dtype)
 
     # ------------------------------------------------------------ tokens
     def num_blocks_for_tokens(self, num_tokens: int) -> int:

@@ -1,6 +1,8 @@
-"""Quantized KV storage: what `kv_cache_dtype` names mean, and the reference quantizer.
+"""Quantized KV storage: the reference quantizer, and what each `kv_cache_dtype` means.
 
-`kv_cache_dtype` (vLLM's option name) picks the dtype the KV cache is *stored* in:
+The dtype facts (option names, sizes, largest codes) are `kvpool.memory.kv_layout`'s; this
+module only reads them. `kv_cache_dtype` (vLLM's option name) picks the dtype the KV cache is
+*stored* in:
 
     auto                 the model's dtype (no scales)
     float32 / bfloat16 / float16   that float dtype (no scales; 16-bit K/V are widened on load)
@@ -22,33 +24,15 @@ once with its token and never changes, and its error is measured smaller
 (`kvpool bench kv-granularity`, docs/memory.md). It costs 4 bytes per 64-element
 row (6%), which `KVLayout.bytes_per_block` counts.
 
-The functions here are the reference every kernel is tested against (`kvpool.memory.kv_cache`
-writes with them on paths no kernel serves).
+The functions here are the reference every kernel is tested against (the KV write's reference,
+`kvpool.attention.kv_write.write_kv_reference`, quantizes with them).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpool.memory.kv_layout import KV_CACHE_DTYPES, QUANTIZED_CODE_MAX
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """The storage dtype's torch name for a `kv_cache_dtype` option; ValueError, naming the
-    choices, for an unknown one. `model_dtype` is the model's torch dtype name."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                         f"got {kv_cache_dtype!r}")
-    storage = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
-    if storage.startswith("float8") and not hasattr(torch, storage):
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs torch.{storage} "
-                         f"(PyTorch >= 2.1); this is PyTorch {torch.__version__}")
-    return storage
-
-
-def is_quantized(dtype: torch.dtype) -> bool:
-    """Whether a KV tensor of this dtype holds codes that need scales."""
-    return str(dtype).removeprefix("torch.") in QUANTIZED_CODE_MAX
+from kvpool.memory.kv_layout import QUANTIZED_CODE_MAX
 
 
 def qmax(dtype: torch.dtype) -> float:

@@ -15,7 +15,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvpool.memory.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -76,6 +81,14 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def kv_layout(self, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> KVLayout:
+        """The layout of this model's KV cache with blocks of `block_size` tokens, stored as
+        `kv_cache_dtype` ("auto": the model's `dtype`); every KV head (a tensor-parallel rank
+        replaces `num_kv_heads` with its share)."""
+        return KVLayout.resolve(block_size, self.num_layers, self.num_kv_heads, self.head_dim,
+                                str(dtype).removeprefix("torch."), kv_cache_dtype)
 
     # ------------------------------------------------------------ constructors
     @classmethod

@@ -10,8 +10,9 @@ trace: `kvpool.sim.simulate.simulate(trace, strategy, config)`.
 
 from kvpool.sim.kv_trace_replay import KVTraceRequests, requests_from_kv_trace
 from kvpool.sim.model_shape import KV_SHAPES, KVShape, kv_shape
+from kvpool.sim.roster import build_strategies
 from kvpool.sim.simulate import SimResult
-from kvpool.sim.strategies import MemorySnapshot, SimConfig, Strategy, build_strategies
+from kvpool.sim.strategies import MemorySnapshot, SimConfig, Strategy
 from kvpool.sim.trace import (
     Request,
     add_shared_prefix,

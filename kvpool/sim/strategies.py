@@ -1,4 +1,6 @@
-"""The allocation strategies the simulator compares, behind one interface, and their roster.
+"""The interface every allocation strategy of the simulator implements, and the records they
+share (`SimConfig`, `MemorySnapshot`, `ArenaActivity`); the strategies themselves live in
+`contiguous` and `paged`, and the roster that builds them in `roster`.
 
 Every strategy manages the same KV budget for the same model shape and is driven the same way
 by `simulate` (FCFS admission, one token per running sequence per step). What differs is what
@@ -32,16 +34,13 @@ hits, compactions, bytes moved); `simulate` asks for it where `ReportsArenaActiv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvpool.memory.arena import BASE_ALIGNMENT, PlacementPolicy
+from kvpool.memory.arena import BASE_ALIGNMENT
 from kvpool.sim.model_shape import KVShape
 from kvpool.sim.trace import Request
 
-DEFAULT_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
-SHARING_BLOCK_SIZE = 16  # vLLM's default block size
 ALIGNMENT = BASE_ALIGNMENT  # budgets are whole multiples of the arena's base alignment
 
 
@@ -114,37 +113,3 @@ class Strategy(Protocol):
         ...
 
     def memory(self) -> MemorySnapshot: ...
-
-
-def build_strategies(config: SimConfig, trace: Sequence[Request],
-                     block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES) -> list[Strategy]:
-    """The roster: contiguous baselines (with size classes and with compaction), paged per
-    block size, and the sharing variants that have something to share on this trace (prefix
-    groups present, or more than one sample)."""
-    from kvpool.sim.contiguous import (
-        CompactingStrategy,
-        ContiguousStrategy,
-        SizeClassStrategy,
-        reserve_exact,
-        reserve_max,
-        reserve_pow2,
-    )
-    from kvpool.sim.paged import PagedStrategy
-
-    strategies: list[Strategy] = [
-        ContiguousStrategy(config, "contiguous-max", reserve_max),
-        ContiguousStrategy(config, "contiguous-pow2", reserve_pow2),
-    ]
-    strategies += [ContiguousStrategy(config, f"contiguous-exact-{policy.value}", reserve_exact,
-                                      policy)
-                   for policy in PlacementPolicy]
-    strategies += [
-        SizeClassStrategy(config, "contiguous-classes", reserve_exact),
-        CompactingStrategy(config, "contiguous-exact-compact", reserve_exact),
-    ]
-    strategies += [PagedStrategy(config, block_size) for block_size in block_sizes]
-    if any(request.prefix_group is not None for request in trace):
-        strategies.append(PagedStrategy(config, SHARING_BLOCK_SIZE, share_prefix=True))
-    if config.num_samples > 1:
-        strategies.append(PagedStrategy(config, SHARING_BLOCK_SIZE, fork_samples=True))
-    return strategies

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvpool.attention.cpu_backend import CpuAttentionBackend
+from kvpool.attention.kv_write import write_kv_reference
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend, plan_decode_groups
-from kvpool.memory.kv_cache import write_kv
 from kvpool.memory.kv_layout import KVLayout
 
 HEAD_DIM = 16
@@ -58,7 +58,7 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch")
         keys = torch.randn(shape, generator=generator).to(dtype)
         values = torch.randn(shape, generator=generator).to(dtype)
         query = torch.randn(new, num_heads, HEAD_DIM, generator=generator).to(dtype)
-        write_kv(
+        write_kv_reference(
             kv_layer,
             keys[:cached],
             values[:cached],
@@ -125,6 +125,9 @@ def test_metadata_counts_leading_decodes():
     assert metadata.query_start_loc.tolist() == [0, 1, 2, 6, 7]
     assert metadata.block_tables.tolist() == [[0, 0], [1, 2], [3, 0], [4, 0]]
     assert (metadata.max_query_len, metadata.max_seq_len) == (4, 9)
+    # The host side of the step's plan, computed once for every layer.
+    assert metadata.query_start_loc_cpu == (0, 1, 2, 6, 7)
+    assert (metadata.max_decode_seq_len, metadata.max_prefill_query_len) == (9, 4)
 
 
 def test_metadata_rejects_inconsistent_input():

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import kvpool.attention
+from kvpool.attention.kv_write import write_kv_reference, write_kv_triton
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend
-from kvpool.memory.kv_cache import write_kv as torch_write_kv
 from kvpool.memory.kv_layout import QUANTIZED_CODE_MAX, KVLayout
 from kvpool.memory.kv_quant import quantize
 
@@ -198,9 +198,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 def test_write_kv_equals_torch(block_size):
     batch = make_batch([(3, 1), (0, 11), (block_size, 5)], block_size, num_kv_heads=3)
     expected = batch.kv_cache_layer.clone()
-    torch_write_kv(expected, batch.key, batch.value, batch.metadata.slot_mapping)
+    write_kv_reference(expected, batch.key, batch.value, batch.metadata.slot_mapping)
     actual = batch.kv_cache_layer.clone()
-    triton_kv.write_kv(actual, batch.key, batch.value, batch.metadata.slot_mapping)
+    write_kv_triton(actual, batch.key, batch.value, batch.metadata.slot_mapping)
     assert torch.equal(actual, expected)
 
 
@@ -215,8 +215,8 @@ def test_write_kv_reads_strided_inputs_into_a_layer_view():
     cache = torch.zeros(4, 3, 2, block_size, num_kv_heads, head_dim, device=DEVICE)
     slots = torch.tensor([0, 9, 10, 31, 17], device=DEVICE)
     expected = cache.clone()
-    torch_write_kv(expected[:, 1], key, value, slots)
-    triton_kv.write_kv(cache[:, 1], key, value, slots)
+    write_kv_reference(expected[:, 1], key, value, slots)
+    write_kv_triton(cache[:, 1], key, value, slots)
     assert torch.equal(cache, expected)
 
 
@@ -224,7 +224,7 @@ def test_write_kv_of_no_tokens_changes_nothing():
     cache = torch.randn(2, 2, 8, 1, 16, device=DEVICE)
     before = cache.clone()
     empty = torch.empty(0, 1, 16, device=DEVICE)
-    triton_kv.write_kv(cache, empty, empty, torch.empty(0, dtype=torch.int64, device=DEVICE))
+    write_kv_triton(cache, empty, empty, torch.empty(0, dtype=torch.int64, device=DEVICE))
     assert torch.equal(cache, before)
 
 
@@ -263,7 +263,7 @@ DECODE_SEQS = [
 def write_new_tokens(batch: Batch) -> None:
     """The new tokens' K/V (codes and scales, if quantized) into the cache, by torch."""
     slots = batch.metadata.slot_mapping
-    torch_write_kv(batch.kv_cache_layer, batch.key, batch.value, slots, batch.kv_scales)
+    write_kv_reference(batch.kv_cache_layer, batch.key, batch.value, slots, batch.kv_scales)
 
 
 def run_decode(batch: Batch, **kwargs) -> torch.Tensor:
@@ -479,8 +479,8 @@ def test_quantized_write_kv_equals_torch(kv_dtype, dtype):
     batch.value[2, 1] = 0  # an all-zero row: scale 1, codes 0
     expected, expected_scales = batch.kv_cache_layer.clone(), batch.kv_scales.clone()
     slots = batch.metadata.slot_mapping
-    torch_write_kv(expected, batch.key, batch.value, slots, expected_scales)
-    triton_kv.write_kv(batch.kv_cache_layer, batch.key, batch.value, slots, batch.kv_scales)
+    write_kv_reference(expected, batch.key, batch.value, slots, expected_scales)
+    write_kv_triton(batch.kv_cache_layer, batch.key, batch.value, slots, batch.kv_scales)
     assert_bits_equal(batch.kv_cache_layer, expected)
     assert torch.equal(batch.kv_scales, expected_scales)
 
@@ -513,8 +513,8 @@ def test_quantized_write_rounds_like_torch(kv_dtype):
     scales = torch.zeros(num_blocks, 2, block_size, 1, device=DEVICE)
     slots = torch.randperm(num_blocks * block_size)[:num_rows].to(DEVICE)
     expected, expected_scales = cache.clone(), scales.clone()
-    torch_write_kv(expected, rows, -rows, slots, expected_scales)
-    triton_kv.write_kv(cache, rows, -rows, slots, scales)
+    write_kv_reference(expected, rows, -rows, slots, expected_scales)
+    write_kv_triton(cache, rows, -rows, slots, scales)
     assert_bits_equal(cache, expected)
     assert torch.equal(scales, expected_scales)
     assert bool((expected_scales[slots // block_size, :, slots % block_size] == 1).all())
@@ -569,7 +569,7 @@ def test_quantized_cache_needs_its_scales():
     batch = make_batch([(5, 1)], 8, kv_dtype=torch.int8)
     metadata, slots = batch.metadata, batch.metadata.slot_mapping
     with pytest.raises(AssertionError, match="needs kv_scales"):
-        triton_kv.write_kv(batch.kv_cache_layer, batch.key, batch.value, slots)
+        write_kv_triton(batch.kv_cache_layer, batch.key, batch.value, slots)
     with pytest.raises(AssertionError, match="needs kv_scales"):
         triton_decode.paged_decode(
             batch.query, batch.kv_cache_layer, metadata.block_tables, metadata.seq_lens, 1.0, 6

@@ -25,13 +25,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvpool.attention import triton_decode, triton_kv, triton_prefill
+from kvpool.kernels import dtypes
 
 _TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Quantized KV storage dtypes (torch name) → (Triton pointer element, KV_QUANT, build suffix).
 _KV_QUANT = {
-    "int8": ("i8", triton_kv.KV_QUANT_INT8, "int8"),
-    "float8_e4m3fn": ("fp8e4nv", triton_kv.KV_QUANT_E4M3, "e4m3"),
-    "float8_e5m2": ("fp8e5", triton_kv.KV_QUANT_E5M2, "e5m2"),
+    "int8": ("i8", dtypes.KV_QUANT_INT8, "int8"),
+    "float8_e4m3fn": ("fp8e4nv", dtypes.KV_QUANT_E4M3, "e4m3"),
+    "float8_e5m2": ("fp8e5", dtypes.KV_QUANT_E5M2, "e5m2"),
 }
 
 
@@ -138,7 +139,7 @@ def _compile_variants(
     dtype: str, head_dim: int, group_size: int, block_size: int, arch: int, kv_dtype: str | None
 ) -> list[KernelBuild]:
     element = _TORCH_TO_TRITON[dtype]
-    kv_element, kv_quant, suffix = (element, triton_kv.KV_QUANT_NONE, "")
+    kv_element, kv_quant, suffix = (element, dtypes.KV_QUANT_NONE, "")
     if kv_dtype is not None:
         kv_element, kv_quant, suffix = _KV_QUANT[kv_dtype]
         suffix = f"_{suffix}"
@@ -183,11 +184,11 @@ def _compile_variants(
         ),
         compile_kernel(
             f"write_kv{suffix}",
-            triton_kv._write_kv_kernel,
+            triton_kv.write_kv_kernel,
             {"key_ptr": f"*{element}", "value_ptr": f"*{element}", "kv_ptr": f"*{kv_element}"}
             | {"scales_ptr": "*fp32", "slot_mapping_ptr": "*i64"},
             {**shape, "NUM_KV_HEADS": 8, "BLOCK_HEADS": 8, "KV_QUANT": kv_quant}
-            | {"QMAX": triton_kv.KV_QUANT_MAX[kv_quant]},
+            | {"QMAX": dtypes.KV_QUANT_MAX[kv_quant]},
             arch=arch,
         ),
     ]

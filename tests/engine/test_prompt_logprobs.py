@@ -17,7 +17,7 @@ import torch
 
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.prompt_logprobs import gather_prompt_logprobs
-from kvpool.engine.sampler import gather_logprobs
+from kvpool.engine.sampling.sampler import gather_logprobs
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine.conftest import PROMPTS, run_all
 

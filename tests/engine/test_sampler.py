@@ -14,17 +14,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import kvpool.engine.sampler as sampler_module
+import kvpool.engine.sampling.sampler as sampler_module
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.logits_constraints import (
+from kvpool.engine.sampling.constraints import (
     apply_allowed_token_ids,
     apply_logit_bias,
     bad_word_bans,
     bitmask_penalty,
 )
-from kvpool.engine.sampler import (
+from kvpool.engine.sampling.rows import SamplingRow
+from kvpool.engine.sampling.sampler import (
     Sampler,
-    SamplingRow,
     apply_penalties,
     apply_top_k_top_p,
     choose_token_ids,
@@ -328,10 +328,19 @@ def test_a_row_generator_on_another_device_than_the_logits_is_refused():
 
 # ------------------------------------------- grammar masks, logit bias, allowed ids, bad words
 class AllowOnly:
-    """A stand-in grammar matcher that allows only `token_ids` (the bitmask protocol)."""
+    """A stand-in grammar matcher that allows only `token_ids` (the `TokenMask` protocol),
+    recording the tokens it is advanced by."""
 
     def __init__(self, *token_ids: int) -> None:
         self.token_ids = token_ids
+        self.accepted: list[int] = []
+
+    def rewind_to(self, num_tokens: int) -> None:
+        del self.accepted[num_tokens:]
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return token_id in self.token_ids
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         words = bitmask.numpy()[row]  # host memory, written outside torch, like xgrammar
@@ -372,6 +381,16 @@ def test_a_grammar_mask_limits_its_row_only_and_leaves_the_logprobs_raw():
     draws = Sampler(seed=1)(LOGITS.repeat(200, 1), [constrained(AllowOnly(0, 4),
                                                                 temperature=1.0)] * 200)
     assert set(draws.token_ids) == {0, 4}
+
+
+def test_the_sampler_advances_each_grammar_by_its_rows_token_after_a_rewind():
+    matchers = [AllowOnly(3, 4), AllowOnly(0)]
+    matchers[0].accepted = [9, 9]  # a rolled-back step left it a token ahead of its output
+    rows = [constrained(matchers[0], temperature=0, output=[9]),
+            row(temperature=0),
+            constrained(matchers[1], temperature=0)]
+    assert Sampler()(LOGITS.repeat(3, 1), rows).token_ids == [3, 1, 0]
+    assert matchers[0].accepted == [9, 3] and matchers[1].accepted == [0]
 
 
 def test_every_token_masked_gives_some_token_rather_than_an_error():

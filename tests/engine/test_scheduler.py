@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from kvpool.engine.kv_manager import KVCacheManager
-from kvpool.engine.sampler import SamplerOutput
+from kvpool.engine.sampling.sampler import SamplerOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus

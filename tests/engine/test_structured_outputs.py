@@ -22,7 +22,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.grammar import GrammarCompiler, choice_grammar
-from kvpool.engine.logits_constraints import bitmask_penalty
+from kvpool.engine.sampling.constraints import bitmask_penalty
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
 from kvpool.engine.structured_outputs import StructuredOutputsParams
@@ -280,6 +280,31 @@ def test_a_token_the_grammar_rejects_stops_the_sequence_with_a_warning(make_engi
     assert "grammar rejected" in caplog.text
 
 
+def test_a_step_rolled_back_after_sampling_rewinds_its_grammars(make_engine, smollm2):
+    # The sampler advances the matchers; a step that fails after it (here: recording prompt
+    # logprobs) never hands its tokens to the sequences, so the matchers must come back.
+    prompt = prompt_for(smollm2, "a person as JSON")
+    params = dataclasses.replace(structured(json=PERSON, n=2, max_tokens=40), prompt_logprobs=1)
+    (reference,) = run_all(make_engine(**SMALL), [prompt], params)
+    engine = make_engine(**SMALL)
+    request = engine.add_request(prompt, params)
+    for _ in range(4):
+        engine.step()
+    record = engine.outputs.add_prompt_logprobs
+
+    def fail_once(*args, **kwargs):
+        engine.outputs.add_prompt_logprobs = record
+        raise RuntimeError("out of memory")
+
+    engine.outputs.add_prompt_logprobs = fail_once
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = [completion.token_ids for completion in reference.outputs]
+    assert [seq.output_token_ids for seq in request.sequences] == expected
+
+
 def test_abort_mid_generation_frees_everything(make_engine, smollm2):
     engine = make_engine(**SMALL)
     request = engine.add_request(prompt_for(smollm2, "a person as JSON"),
@@ -384,6 +409,20 @@ def test_matcher_fills_accepts_and_terminates(compiler, smollm2):
     eos = next(iter(tokenizer.eos_token_ids))
     assert matcher.accept(eos) and matcher.is_terminated
     assert not matcher.fill(bitmask, 0)  # a terminated matcher leaves its row alone
+
+
+def test_a_matcher_counts_what_it_accepted_and_rewinds_to_a_token_count(compiler, smollm2):
+    tokenizer = smollm2.tokenizer
+    matcher = compiler.compile(StructuredOutputsParams(choice=["yes", "no"])).new_matcher()
+    yes, eos = tokenizer.encode("yes", False), next(iter(tokenizer.eos_token_ids))
+    assert all(matcher.accept(token) for token in yes)
+    assert not matcher.accept(tokenizer.encode("maybe", False)[0]) and matcher.is_rejected
+    assert matcher.num_accepted == len(yes)  # a rejected token is not counted
+    assert matcher.accept(eos) and matcher.is_terminated and not matcher.is_rejected
+    matcher.rewind_to(len(yes))  # the step that accepted EOS was rolled back
+    assert not matcher.is_terminated and matcher.num_accepted == len(yes)
+    matcher.rewind_to(0)
+    assert matcher.accept(tokenizer.encode("no", False)[0]) and matcher.num_accepted == 1
 
 
 def test_choice_grammar_escapes_every_choice(compiler):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpool.attention import kv_write
+from kvpool.attention.kv_write import write_kv_reference
 from kvpool.kernels import fused
 from kvpool.kernels.cpu_kernels import cpu_kernels_available
-from kvpool.memory.kv_cache import write_kv as write_kv_reference
 from kvpool.model.rope import apply_rotary, cos_sin_cache
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ toolchain")
@@ -73,7 +74,7 @@ def test_write_kv_fills_exactly_the_mapped_slots(dtype):
     slots = torch.tensor([16, 17, 95, 40])  # blocks 1, 1, 5, 2
     expected = layer.clone()
     write_kv_reference(expected, key, value, slots)
-    fused.write_kv_(layer, key, value, slots)
+    kv_write.write_kv(layer, key, value, slots)
     assert torch.equal(layer, expected)
 
 
@@ -117,11 +118,11 @@ def test_write_kv_with_scales_uses_the_kernel_where_served(monkeypatch):
         raise AssertionError("the reference ran where the kernel serves")
 
     with monkeypatch.context() as patch:
-        patch.setattr(fused, "write_kv_reference", no_reference)
-        fused.write_kv_(layer, key, value, slots, scales)
+        patch.setattr(kv_write, "write_kv_reference", no_reference)
+        kv_write.write_kv(layer, key, value, slots, scales)
     assert torch.equal(layer, expected) and torch.equal(scales, expected_scales)
     layer, scales = _quantized_layer(torch.int8)  # float64 rows: not served, the reference
-    fused.write_kv_(layer, key.double(), value.double(), slots, scales)
+    kv_write.write_kv(layer, key.double(), value.double(), slots, scales)
     assert torch.equal(layer, expected) and torch.equal(scales, expected_scales)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpool.attention.kv_write import write_kv_reference
 from kvpool.memory.block_table import BlockCopy
-from kvpool.memory.kv_cache import KVCache, write_kv
+from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_quant import dequantize, qmax
 from kvpool.model.config import ModelConfig
@@ -26,7 +27,7 @@ def test_write_kv_lands_in_slots(dtype):
     key = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1
     value = -key
     slots = torch.tensor([5, 6, 17])  # block 1 offsets 1, 2; block 4 offset 1
-    write_kv(cache.layer(1), key, value, slots)
+    write_kv_reference(cache.layer(1), key, value, slots)
     layer = cache.layer(1)
     assert torch.equal(layer[1, 0, 1], key[0].to(torch_dtype))
     assert torch.equal(layer[1, 1, 2], value[1].to(torch_dtype))
@@ -106,10 +107,13 @@ def test_quantized_bytes_per_block_count_the_scales():
 ])
 def test_kv_cache_dtype_options_resolve_to_a_storage_dtype(option, storage):
     config = ModelConfig.preset("tiny")
-    layout = KVLayout.for_model(config, 16, torch.bfloat16, option)
+    layout = config.kv_layout(16, torch.bfloat16, option)
     assert layout.dtype == storage
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        KVLayout.for_model(config, 16, torch.bfloat16, "int4")
+        config.kv_layout(16, torch.bfloat16, "int4")
+    # The model's constructor is the memory core's, fed the model's numbers.
+    assert layout == KVLayout.resolve(16, config.num_layers, config.num_kv_heads,
+                                      config.head_dim, "bfloat16", option)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
@@ -120,7 +124,7 @@ def test_quantized_write_stores_codes_and_scales_that_decode_close(dtype):
     key, value = torch.randn(5, 2, 16), torch.randn(5, 2, 16) * 100
     key[0, 1] = 0.0  # an all-zero row: scale 1, codes 0
     slots = torch.tensor([4, 5, 6, 7, 9])
-    write_kv(cache.layer(0), key, value, slots, cache.layer_scales(0))
+    write_kv_reference(cache.layer(0), key, value, slots, cache.layer_scales(0))
     for plane, rows in ((0, key), (1, value)):
         codes = cache.layer(0)[slots // 4, plane, slots % 4]
         scales = cache.layer_scales(0)[slots // 4, plane, slots % 4]

@@ -56,7 +56,7 @@ def prompts(smollm2) -> list[list[int]]:
 
 def make_kv_cache(config, num_blocks: int) -> KVCache:
     """A cache of `num_blocks` blocks after the null block (ids 1 .. num_blocks)."""
-    return KVCache(KVLayout.for_model(config, BLOCK_SIZE, torch.float32), num_blocks + 1)
+    return KVCache(config.kv_layout(BLOCK_SIZE, torch.float32), num_blocks + 1)
 
 
 def kvpool_prefill_logits(smollm2, token_ids: list[int]) -> torch.Tensor:

@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from kvpool.engine.model_runner import ModelRunner, SequenceChunk
 from kvpool.memory.kv_cache import KVCache
-from kvpool.memory.kv_layout import KVLayout
 from kvpool.model.config import ModelConfig
 from kvpool.model.loaders import detect_load_format, load_model, make_loader
 from kvpool.model.loaders.dequant import KERNELS, dequantize
@@ -130,7 +129,7 @@ def kvpool_step_logits(loaded, token_ids: list[int], split: list[int]) -> torch.
     config = loaded.config
     block_size = 4
     num_blocks = -(-len(token_ids) // block_size)
-    kv_cache = KVCache(KVLayout.for_model(config, block_size, loaded.model.dtype), num_blocks + 1)
+    kv_cache = KVCache(config.kv_layout(block_size, loaded.model.dtype), num_blocks + 1)
     runner = ModelRunner(loaded.model, kv_cache)
     block_ids = list(range(1, num_blocks + 1))[::-1]  # reversed: paging must not matter
     rows, bounds = [], [0, *split, len(token_ids)]

@@ -18,9 +18,10 @@ from kvpool.sim.contiguous import (
     reserve_max,
 )
 from kvpool.sim.model_shape import KVShape
+from kvpool.sim.roster import build_strategies
 from kvpool.sim.simulate import simulate
 from kvpool.sim.size_class_arena import SizeClasses
-from kvpool.sim.strategies import SimConfig, build_strategies
+from kvpool.sim.strategies import SimConfig
 from kvpool.sim.trace import Request, sharegpt_trace
 
 TINY_SHAPE = KVShape("tiny", num_layers=1, num_kv_heads=1, head_dim=64)

@@ -15,8 +15,9 @@ from kvpool.memory.arena_free_list import PlacementPolicy
 from kvpool.sim.contiguous import ContiguousStrategy, reserve_exact, reserve_max
 from kvpool.sim.model_shape import KVShape
 from kvpool.sim.paged import PagedStrategy
+from kvpool.sim.roster import build_strategies
 from kvpool.sim.simulate import simulate
-from kvpool.sim.strategies import SimConfig, build_strategies
+from kvpool.sim.strategies import SimConfig
 from kvpool.sim.trace import Request, add_shared_prefix, load_jsonl, save_jsonl, sharegpt_trace
 
 TINY_SHAPE = KVShape("tiny", num_layers=1, num_kv_heads=1, head_dim=64)

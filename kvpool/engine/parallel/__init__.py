@@ -3,7 +3,7 @@ ranks (`kvpool.model.parallel` says which slice of each weight a rank holds).
 
     rank 0 (the engine's process)               ranks 1..tp-1 (workers)
     scheduler, block pool, prefix cache         model shard, KV cache (same block ids)
-    TensorParallelRunner.execute  ── step ──▶   worker loop: copy blocks, run the shard
+    TensorParallelRunner.run_step ── step ──▶   worker loop: copy blocks, run the shard
     shard forward  ◀──── all-reduce / gather ──▶ shard forward
     logits → sampler
 

@@ -18,6 +18,8 @@ import sys
 import torch
 
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.model_loading import load_engine_model, resolve_device
+from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.parallel.group import Rendezvous, join, leave, rank_device, split_threads
 from kvpool.engine.parallel.messages import KVSpec, StepMessage, inputs_to, receive
 from kvpool.memory.kv_cache import KVCache
@@ -27,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     """A worker process's whole life (the spawn target, and torchrun's ranks > 0)."""
-    from kvpool.engine.setup import load_engine_model, resolve_device
-
     split_threads(rendezvous.size)
     device = rank_device(resolve_device(config.device), rendezvous.rank)
     tp, control = join(rendezvous, device, config.tensor_parallel_overlap_chunks)
@@ -38,25 +38,21 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         if spec is None:  # rank 0 failed to start, and stops the group
             return
         kv_cache = KVCache(spec.layout, spec.num_blocks, device)
-        _step_loop(loaded.model, kv_cache, control, device)
+        _step_loop(ModelRunner(loaded.model, kv_cache, device), control, device)
     finally:
         leave()
 
 
 @torch.inference_mode()
-def _step_loop(model: torch.nn.Module, kv_cache: KVCache, control: object,
-               device: torch.device) -> None:
-    """Run rank 0's steps until it says stop."""
+def _step_loop(runner: ModelRunner, control: object, device: torch.device) -> None:
+    """Run rank 0's steps until it says stop: the same `run_step` as rank 0's (copies first,
+    then the shard), whose logits stay None here."""
     while True:
         message: StepMessage | None = receive(control)
         if message is None:
             return
-        kv_cache.copy_blocks(message.block_copies)  # before the model, as on rank 0
-        if message.inputs is None:
-            continue
-        inputs = inputs_to(message.inputs, device)
-        model(inputs.token_ids, inputs.positions, kv_cache.tensor, inputs.metadata,
-              inputs.logits_indices, kv_cache.scales)
+        inputs = None if message.inputs is None else inputs_to(message.inputs, device)
+        runner.run_step(message.block_copies, inputs)
 
 
 def spawned_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:

@@ -19,7 +19,9 @@ Order of operations on each row (float32):
    rows share one draw. A row whose probabilities come out NaN, infinite or all zero falls
    back to the argmax of its finite logits rather than to whatever index argmax gives NaN.
    A row with every token forbidden gets an arbitrary token; its grammar matcher then
-   rejects it and the sequence ends.
+   rejects it and the sequence ends;
+6. each constrained row's grammar matcher advances by its chosen token (last, once the
+   logprobs are taken: nothing after it can fail).
 
 Device: every tensor made here lives on the logits' device, and nothing in steps 2-5 reads a
 value back to the host, so `choose_token_ids` runs on any device (the tests run it on "meta");
@@ -29,7 +31,8 @@ device once per step that has a constrained row. The generator that unseeded row
 made per device, seeded with the sampler's seed; a seeded row brings its own generator,
 which must be on the logits' device.
 
-Steps 2 and 3 live in `kvpool.engine.logits_constraints`. Work that no row needs (the
+Steps 2, 3 and 6 live in `kvpool.engine.sampling.constraints`, the row records in
+`kvpool.engine.sampling.rows`. Work that no row needs (the
 bitmask, sorting for top-k/top-p, penalty counts) is skipped entirely: a batch without
 constrained rows never touches a matcher or a bitmask.
 """
@@ -42,28 +45,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.engine.logits_constraints import (
-    TokenMask,
+from kvpool.engine.outputs import Logprob
+from kvpool.engine.sampling.constraints import (
+    advance_grammars,
     apply_allowed_token_ids,
     apply_grammar_bitmask,
     apply_logit_bias,
     bad_word_bans,
 )
-from kvpool.engine.outputs import Logprob
-from kvpool.engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingRow:
-    """What the sampler needs to know about one row of logits."""
-
-    params: SamplingParams
-    prompt_token_ids: SequenceOf[int]
-    output_token_ids: SequenceOf[int]
-    generator: torch.Generator | None  # on the logits' device, for a seeded row
-    banned_token_ids: tuple[int, ...] = ()  # stop tokens while below min_tokens
-    matcher: TokenMask | None = None  # the sequence's grammar (structured outputs)
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # each bad word, as token ids
+from kvpool.engine.sampling.rows import SamplingRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +80,7 @@ class Sampler:
             raw_logprobs = raw_logprobs_of(logits, list(wanted))
             for position, (index, num_top) in enumerate(wanted.items()):
                 logprobs[index] = gather_logprobs(raw_logprobs[position], token_ids[index], num_top)
+        advance_grammars(rows, token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     def generator(self, device: torch.device) -> torch.Generator:

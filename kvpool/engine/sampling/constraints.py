@@ -1,32 +1,28 @@
-"""The sampler's steps 2 and 3 (see `kvpool.engine.sampler`): what each row may not
-generate, and its logit bias.
+"""The sampler's steps 2 and 3 (see `kvpool.engine.sampling.sampler`): what each row may not
+generate, and its logit bias; and, once tokens are chosen, the grammars' advance.
 
 Each function works in place on float32 logits [num_rows, vocab] and skips itself when no row
 needs it. Forbidden tokens become -inf: a grammar's (structured outputs), those outside
 `allowed_token_ids`, and bad words' (`bad_word_bans`, which the sampler bans together with
 the stop tokens of rows below `min_tokens`). Everything runs on the logits' device but the
 grammar bitmask, which xgrammar fills in host memory and which is copied over once per step.
+
+Grammar matchers advance here, on the sampling side, by the token chosen for their row
+(`advance_grammars`), so a matcher is always at its row's next token when the stop rules read
+it (`kvpool.engine.output_processor`: a rejected token or a terminated grammar stops the
+sequence). A step rolled back after the sampler ran leaves its matchers one token ahead; the
+next fill rewinds them to the tokens their sequence really has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvpool.engine.sampler import SamplingRow
+from kvpool.engine.sampling.rows import SamplingRow
 
 _BITS_PER_WORD = 32  # the grammar bitmask is int32: bit t % 32 of word t // 32 is token t
-
-
-class TokenMask(Protocol):
-    """What the sampler needs of a grammar matcher (`kvpool.engine.grammar.GrammarMatcher`)."""
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Set `bitmask[row]`'s bits of the allowed tokens; False if the row allows all."""
-        ...
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> None:
@@ -41,6 +37,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -
                    if row.matcher is not None]
     if not constrained:
         return
+    for index, matcher in constrained:
+        matcher.rewind_to(len(rows[index].output_token_ids))
     num_rows, vocab_size = logits.shape
     num_words = -(-vocab_size // _BITS_PER_WORD)
     bitmask = torch.full((len(constrained), num_words), -1, dtype=torch.int32)  # all allowed
@@ -54,6 +52,15 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -
     else:
         row_ids = torch.tensor([index for index, _ in constrained], device=logits.device)
         logits.index_add_(0, row_ids, penalty)
+
+
+def advance_grammars(rows: SequenceOf[SamplingRow], token_ids: SequenceOf[int]) -> None:
+    """Advance each constrained row's matcher by the token chosen for it. A token the grammar
+    rejects (possible only when it had masked every token) leaves the matcher marked, and the
+    stop rules end the sequence."""
+    for row, token_id in zip(rows, token_ids, strict=True):
+        if row.matcher is not None:
+            row.matcher.accept(token_id)
 
 
 def bitmask_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

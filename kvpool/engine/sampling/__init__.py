@@ -1,0 +1,17 @@
+"""Sampling: from a step's logits to each sequence's next token.
+
+    rows.py         what the sampler is told per logits row (`SamplingRow`, built from a
+                    scheduled batch by `sampling_rows`), and what it needs of a grammar matcher
+    constraints.py  what a row may not generate (grammar bitmask, allowed ids, bad words),
+                    its logit bias, and the grammars' advance by the chosen tokens
+    sampler.py      the `Sampler`: penalties, greedy or random choice, logprobs
+
+Imports run one way, rows → constraints → sampler; nothing here imports the engine, the
+scheduler or the output processor. A new constraint on what a row may generate is a function
+in `constraints.py`, called from `sampler.choose_token_ids`, reading a field of `SamplingRow`.
+"""
+
+from kvpool.engine.sampling.rows import SamplingRow, TokenMask, sampling_rows
+from kvpool.engine.sampling.sampler import Sampler, SamplerOutput
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenMask", "sampling_rows"]

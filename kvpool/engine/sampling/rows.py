@@ -1,0 +1,69 @@
+"""What the sampler is told about each logits row of a step (`SamplingRow`), and how a
+scheduled batch becomes those rows (`sampling_rows`).
+
+The bottom of `kvpool.engine.sampling`: `constraints` and `sampler` import this module, and it
+imports neither (rows → constraints → sampler, one way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvpool.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpool.engine.scheduler_output import SchedulerOutput
+
+
+class TokenMask(Protocol):
+    """What the sampler needs of a grammar matcher (`kvpool.engine.grammar.GrammarMatcher`):
+    the sampler fills its row of the bitmask before choosing, and advances it by the chosen
+    token after."""
+
+    def rewind_to(self, num_tokens: int) -> None:
+        """Forget tokens accepted beyond the first `num_tokens` outputs (a step rolled back
+        after the sampler ran, whose tokens the sequence never got)."""
+        ...
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Set `bitmask[row]`'s bits of the allowed tokens; False if the row allows all."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the chosen token; False if the grammar does not allow it."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    prompt_token_ids: SequenceOf[int]
+    output_token_ids: SequenceOf[int]
+    generator: torch.Generator | None  # on the logits' device, for a seeded row
+    banned_token_ids: tuple[int, ...] = ()  # stop tokens while below min_tokens
+    matcher: TokenMask | None = None  # the sequence's grammar (structured outputs)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # each bad word, as token ids
+
+
+def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> list[SamplingRow]:
+    """One row per logits row: each sampled sequence, or a sibling about to be forked. Below
+    `min_tokens` a row bans EOS (unless `ignore_eos`) and the request's stop token ids."""
+    rows = []
+    for seq, index in batch.sampled_sequences():
+        params = seq.request.params
+        banned: tuple[int, ...] = ()
+        if len(seq.output_token_ids) < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(eos_token_ids)
+            banned = eos + tuple(params.stop_token_ids)
+        request = seq.request
+        rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids,
+                                request.generators[index], banned,
+                                request.matchers[index] if request.matchers else None,
+                                request.bad_words_token_ids))
+    return rows
