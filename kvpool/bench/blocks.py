@@ -4,7 +4,7 @@ Three measurements, each repeated; the best repeat is the headline figure (the l
 by other processes on a shared machine) and the median is reported next to it:
 
 - alloc_free_pairs_per_s: `pool.free(pool.allocate(1))` pairs per second, one block per call.
-- append_tokens_per_s: `BlockTable.append_tokens([token_id])` one token at a time, as decode
+- append_tokens_per_s: `SequenceBlocks.append_tokens([token_id])` one token at a time, as decode
   appends, including taking a block when the last is full and hashing/publishing full blocks.
 - prefix_lookup_4096_ms: one prefix lookup for a 4,096-token prompt on a warm cache that holds
   all its blocks: chained hashing of every full block plus `BlockPool.match_prefix`.
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
-from kvpool.memory import BlockPool, BlockTable
+from kvpool.memory import BlockPool, SequenceBlocks
 from kvpool.memory.kv_layout import KVLayout, cdiv
 
 PREFIX_LOOKUP_TOKENS = 4096  # fixed: the JSON key names it
@@ -131,14 +131,14 @@ def measure_alloc_free_batched(config: BlocksBenchConfig) -> Measurement:
 
 
 def measure_append(config: BlocksBenchConfig) -> Measurement:
-    """Tokens per second appended one at a time through a BlockTable."""
+    """Tokens per second appended one at a time through a SequenceBlocks."""
     num_tokens, size = config.num_append_tokens, config.block_size
     single_token_lists = [[token_id % 49_152] for token_id in range(num_tokens)]
-    tables: list[BlockTable] = []
+    tables: list[SequenceBlocks] = []
 
     def run_once() -> int:
         # A fresh pool per repeat, so every repeat hashes and publishes new blocks.
-        table = BlockTable(BlockPool(cdiv(num_tokens, size), KVLayout(size)))
+        table = SequenceBlocks(BlockPool(cdiv(num_tokens, size), KVLayout(size)))
         tables.append(table)
         append = table.append_tokens
         for token_list in single_token_lists:
@@ -156,10 +156,10 @@ def measure_prefix_lookup(config: BlocksBenchConfig) -> Measurement:
     size = config.block_size
     token_ids = [(7 * index) % 49_152 for index in range(PREFIX_LOOKUP_TOKENS)]
     pool = BlockPool(PREFIX_LOOKUP_TOKENS // size + 1, KVLayout(size))
-    writer = BlockTable(pool)
+    writer = SequenceBlocks(pool)
     writer.append_tokens(token_ids)
     writer.free()  # its full blocks stay cached: the warm cache this lookup hits
-    reader = BlockTable(pool)
+    reader = SequenceBlocks(pool)
     num_full_blocks = PREFIX_LOOKUP_TOKENS // size
     samples = []
     for _ in range(config.num_repeats * config.num_lookups):

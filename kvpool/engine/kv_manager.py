@@ -34,7 +34,6 @@ blocks, copies-on-write, forks, frees, preemptions and swap-ins, one fan-out cal
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
@@ -87,8 +86,8 @@ class KVCacheManager:
         self._swapped: dict[int, list[int]] = {}  # seq_id -> the host blocks it owns
         self.listeners = memory.listeners
 
-    def new_block_table(self, cache_salt: str | None) -> BlockTable:
-        return BlockTable(self.pool, cache_salt)
+    def new_block_table(self) -> BlockTable:
+        return BlockTable(self.pool)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether `num_tokens` tokens fit in the whole pool at its largest, alone."""
@@ -155,24 +154,21 @@ class KVCacheManager:
         else:
             served = self._take_cached_prefix(seq, plan)
         self._report_admission(seq, plan, served)
-        start = seq.num_computed_tokens
-        return self.append_slots(seq, seq.token_ids(start, start + plan.num_new_tokens))
+        return self.append_slots(seq, plan.num_new_tokens)
 
     def _take_cached_prefix(self, seq: Sequence, plan: AdmissionPlan) -> dict[str, int]:
         """The planned prefix taken; returns the prompt tokens each tier served."""
         prefix, table = plan.prefix, seq.block_table
-        cached_ids = seq.token_ids(0, prefix.num_cached_tokens)
-        seq.num_computed_tokens = table.take_prefix(prefix, cached_ids, seq.block_hashes)
+        seq.num_computed_tokens = table.take_prefix(prefix)
         counts = {"device": prefix.num_cached_tokens}
         if plan.below.num_blocks:
             self.tiers.hold(plan.below)  # before allocating: that may spill into the host tier
-            table.append_tokens(seq.token_ids(seq.num_computed_tokens, plan.num_cached_tokens),
-                                computed=False)
+            table.append_slots(plan.num_cached_tokens - seq.num_computed_tokens)
             reloaded = self.tiers.reload(plan.below, table.block_ids[len(prefix.block_ids):])
             for tier, num_blocks in reloaded.items():
                 counts[tier] = num_blocks * self.layout.block_size
             seq.num_computed_tokens = plan.num_cached_tokens
-            table.mark_computed(seq.num_computed_tokens, seq.block_hashes)
+            table.mark_computed(seq.num_computed_tokens, seq.token_ids, seq.block_hashes)
         if seq.request.num_cached_tokens is None:  # a request's cached tokens count once
             for tier, num_tokens in counts.items():
                 self.counters.cached_tokens_by_tier[tier] += num_tokens
@@ -204,22 +200,21 @@ class KVCacheManager:
         host copies queued into them; the retaken blocks' host copies are freed."""
         host_ids = self._swapped.pop(seq.seq_id)
         table, prefix = seq.block_table, plan.prefix
-        table.take_prefix(prefix, seq.token_ids(0, prefix.num_cached_tokens), seq.block_hashes)
+        table.take_prefix(prefix)
         num_reused = len(prefix.block_ids)
         self.tiers.free_swapped(host_ids[:num_reused])
-        table.append_tokens(seq.token_ids(prefix.num_cached_tokens, seq.num_computed_tokens),
-                            computed=False)
+        table.append_slots(seq.num_computed_tokens - prefix.num_cached_tokens)
         self.tiers.swap_in(host_ids[num_reused:], table.block_ids[num_reused:])
-        table.mark_computed(seq.num_computed_tokens, seq.block_hashes)
+        table.mark_computed(seq.num_computed_tokens, seq.token_ids, seq.block_hashes)
         self.counters.num_swapped_in_blocks += len(host_ids) - num_reused
         self.counters.num_recompute_tokens_avoided += seq.num_computed_tokens
 
-    def append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
-        """Slots for `new_token_ids`, the sequence's next uncomputed tokens, growing KV memory
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
+        """Slots for the sequence's next `num_new_tokens` uncomputed tokens, growing KV memory
         if it must; OutOfBlocksError (it cannot grow enough) changes nothing."""
         table = seq.block_table
         num_blocks = table.num_blocks
-        copies = self._append_slots(seq, new_token_ids)
+        copies = self._append_slots(table, num_new_tokens)
         for copy in copies:
             self.listeners.block_copied_on_write(seq.request.request_id, seq.index,
                                                  copy.src_block_id, copy.dst_block_id)
@@ -228,18 +223,17 @@ class KVCacheManager:
                                             table.block_ids[num_blocks:])
         return copies
 
-    def _append_slots(self, seq: Sequence, new_token_ids: SequenceOf[int]) -> list[BlockCopy]:
+    def _append_slots(self, table: BlockTable, num_new_tokens: int) -> list[BlockCopy]:
         try:  # the common case first: no extra work on the decode path
-            return seq.block_table.append_tokens(new_token_ids, computed=False)
+            return table.append_slots(num_new_tokens)
         except OutOfBlocksError:
-            needed = seq.block_table.num_blocks_to_append(len(new_token_ids))
-            if not self.memory.grow_until_allocatable(needed):
+            if not self.memory.grow_until_allocatable(table.num_blocks_to_append(num_new_tokens)):
                 raise
-        return seq.block_table.append_tokens(new_token_ids, computed=False)
+        return table.append_slots(num_new_tokens)
 
     def mark_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache."""
-        seq.block_table.mark_computed(seq.num_computed_tokens, seq.block_hashes)
+        seq.block_table.mark_computed(seq.num_computed_tokens, seq.token_ids, seq.block_hashes)
 
     def append_output(self, seq: Sequence, token_id: int) -> None:
         """A sampled token joins the sequence; a block it fills gets its hash now."""

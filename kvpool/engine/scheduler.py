@@ -97,7 +97,7 @@ class Scheduler:
 
     def add_request(self, request: Request, block_hashes: list) -> Sequence:
         """Queue the first sequence of a new request; `block_hashes` are its prompt's."""
-        seq = self._new_sequence(request, 0, self.kv.new_block_table(request.cache_salt),
+        seq = self._new_sequence(request, 0, self.kv.new_block_table(),
                                  block_hashes)
         self.waiting.push(seq)
         return seq
@@ -167,7 +167,7 @@ class Scheduler:
         """Slots for `seq`, preempting from the tail of `running` until they fit."""
         while True:
             try:
-                return self.kv.append_slots(seq, token_ids)
+                return self.kv.append_slots(seq, len(token_ids))
             except OutOfBlocksError:
                 if not self.kv.can_ever_fit(seq.num_computed_tokens + len(token_ids)):
                     self.finish(seq, FinishReason.LENGTH)
@@ -304,7 +304,6 @@ class Scheduler:
             elif is_running:
                 assert seq.status is SequenceStatus.RUNNING
                 assert table.num_tokens == seq.num_computed_tokens
-                assert table.token_ids == seq.token_ids(0, seq.num_computed_tokens)
             else:
                 assert is_waiting and seq.status is SequenceStatus.WAITING
                 assert table.num_blocks == 0

@@ -15,7 +15,9 @@ sample the next output token.
 A sequence keeps the chained hashes of its full blocks (`block_hashes`): the prompt's are
 computed once, when the request is made, and one more is added each time an output token fills
 a block. Prefix lookups, admission and publishing to the prefix cache all read them; nothing
-hashes a prompt again, not even after a preemption.
+hashes a prompt again, not even after a preemption. The sequence is the one owner of its tokens
+and their hash chain: its block table keeps counts only and is handed both when it publishes
+(`BlockTable.mark_computed(n, seq.token_ids, seq.block_hashes)`).
 
 Invariants: `0 <= num_computed_tokens <= num_tokens`; between steps
 `block_table.num_tokens == num_computed_tokens`; `block_hashes` are the hashes of the first
@@ -114,7 +116,9 @@ class Sequence:
 class Request:
     """What a caller asked for: one prompt, its sampling rules, and its n sequences.
 
-    `salt` is the hashing form of `cache_salt` (`kvpool.memory.prefix_cache.salt_key`);
+    `salt` is the hashing form of `cache_salt` (`kvpool.memory.prefix_cache.salt_key`),
+    derived once at intake and the only form anything hashes with; `cache_salt` stays only as
+    the tenant's label (snapshots are scoped by it);
     `generators[i]` is completion i's random stream, made on the model's device when the
     request is made, so a completion not yet forked can already be sampled; likewise
     `matchers[i]`, completion i's grammar matcher (empty without structured outputs), which

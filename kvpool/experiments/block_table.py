@@ -9,13 +9,13 @@ Run: python -m kvpool.experiments.block_table
 
 from __future__ import annotations
 
-from kvpool.memory import BlockPool, BlockTable
+from kvpool.memory import BlockPool, SequenceBlocks
 from kvpool.memory.kv_layout import KVLayout
 
 BLOCK_SIZE = 4
 
 
-def append_one_at_a_time(table: BlockTable, token_ids: list[int]) -> list[int]:
+def append_one_at_a_time(table: SequenceBlocks, token_ids: list[int]) -> list[int]:
     """Append like decode does; returns the positions at which a new block was taken."""
     new_block_positions = []
     for token_id in token_ids:
@@ -26,7 +26,7 @@ def append_one_at_a_time(table: BlockTable, token_ids: list[int]) -> list[int]:
     return new_block_positions
 
 
-def print_table(name: str, table: BlockTable) -> None:
+def print_table(name: str, table: SequenceBlocks) -> None:
     print(f"sequence {name}: {table.num_tokens} tokens in {table.num_blocks} blocks")
     for logical, block_id in enumerate(table.block_ids):
         num_filled = min(BLOCK_SIZE, table.num_tokens - logical * BLOCK_SIZE)
@@ -37,7 +37,7 @@ def print_table(name: str, table: BlockTable) -> None:
 def main() -> BlockPool:
     """Run the experiment; returns the pool so a caller can report on it."""
     pool = BlockPool(16, KVLayout(BLOCK_SIZE))
-    table_a, table_b = BlockTable(pool), BlockTable(pool)
+    table_a, table_b = SequenceBlocks(pool), SequenceBlocks(pool)
     table_a.append_tokens(list(range(100, 106)))  # A's prompt: 6 tokens -> blocks 1, 2
     table_b.append_tokens(list(range(200, 205)))  # B's prompt: 5 tokens -> blocks 3, 4
     new_block_positions = append_one_at_a_time(table_a, list(range(106, 113)))  # A decodes 7

@@ -2,7 +2,7 @@
 
 Request A's prompt is a 12-token system prompt plus its question; its full blocks are hashed
 (chained on the parent block's hash) and published to the prefix cache as they fill. Request B
-starts with the same system prompt: `BlockTable.take_cached_prefix` finds A's first three
+starts with the same system prompt: `SequenceBlocks.take_cached_prefix` finds A's first three
 blocks by hash, takes a reference on each, and B allocates blocks only for the rest. The same
 requests on a pool with prefix caching off show how many blocks sharing saves. A request with
 a different `cache_salt` never shares, even with the same tokens.
@@ -12,7 +12,7 @@ Run: python -m kvpool.experiments.prefix_sharing
 
 from __future__ import annotations
 
-from kvpool.memory import BlockPool, BlockTable
+from kvpool.memory import BlockPool, SequenceBlocks
 from kvpool.memory.kv_layout import KVLayout
 
 BLOCK_SIZE = 4
@@ -26,9 +26,9 @@ def tokenize(text: str, vocab: dict[str, int]) -> list[int]:
     return [vocab.setdefault(word, len(vocab)) for word in text.split()]
 
 
-def admit(pool: BlockPool, token_ids: list[int], cache_salt: str | None = None) -> BlockTable:
+def admit(pool: BlockPool, token_ids: list[int], cache_salt: str | None = None) -> SequenceBlocks:
     """What the scheduler does for a new request: reuse the cached prefix, append the rest."""
-    table = BlockTable(pool, cache_salt)
+    table = SequenceBlocks(pool, cache_salt)
     num_cached_tokens = table.take_cached_prefix(token_ids)
     table.append_tokens(token_ids[num_cached_tokens:])  # computed: full blocks get published
     return table
@@ -36,7 +36,7 @@ def admit(pool: BlockPool, token_ids: list[int], cache_salt: str | None = None) 
 
 def run(
     enable_prefix_caching: bool, prompts: list[list[int]]
-) -> tuple[BlockPool, list[BlockTable]]:
+) -> tuple[BlockPool, list[SequenceBlocks]]:
     """Admit every prompt into a fresh 32-block pool; returns the pool and the tables."""
     pool = BlockPool(32, KVLayout(BLOCK_SIZE), enable_prefix_caching=enable_prefix_caching)
     return pool, [admit(pool, prompt) for prompt in prompts]

@@ -14,6 +14,7 @@ from kvpool.memory.prefix_cache import (
     hash_full_blocks,
     salt_key,
 )
+from kvpool.memory.sequence_blocks import SequenceBlocks
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -27,6 +28,7 @@ __all__ = [
     "OutOfBlocksError",
     "PrefixCache",
     "PrefixMatch",
+    "SequenceBlocks",
     "hash_block",
     "hash_full_blocks",
     "salt_key",

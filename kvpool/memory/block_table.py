@@ -7,6 +7,10 @@ in the KV tensors is `KVLayout.slot(block_ids, p)`:
     logical block        0    |    1     |    2      (last block: 6 of 16 slots filled)
     physical block       7    |    3     |   12
 
+The table keeps counts, not tokens: the sequence that owns it owns its tokens and their hash
+chain (the engine's `Sequence`, or `SequenceBlocks` for the memory core used on its own), and
+hands them to `mark_computed` when full blocks are to be published to the prefix cache.
+
 Invariants:
 - `len(block_ids) == ceil(num_tokens / block_size)`: every block but the last is full, and a
   block is taken only when the previous one is full.
@@ -15,28 +19,21 @@ Invariants:
 - A block shared with another table (ref_count > 1) is never written: appending into a shared,
   partly filled last block first copies it (copy-on-write) and reports the `BlockCopy` that the
   KV tensors must perform.
-- `block_hashes[i]` is the chained hash of full block i; hashes exist only for the first
-  `num_hashed_blocks` blocks, all of which are full and were marked computed.
+- The first `num_published_blocks` blocks are full, were marked computed and were offered to
+  the prefix cache, in order; no other block was.
 - Physical ids may change between steps (`remap`, when an elastic pool migrates blocks);
-  logical positions, tokens and hashes never do.
-
-The engine hands `mark_computed` the hashes its sequences keep (each prompt is hashed once per
-request); used on its own, the table hashes its blocks itself.
+  logical positions never do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.prefix_cache import (
-    BlockHash,
-    PrefixMatch,
-    hash_block,
-    hash_full_blocks,
-    salt_key,
-)
+from kvpool.memory.prefix_cache import BlockHash, PrefixMatch
+
+TokenRange = Callable[[int, int], Sequence[int]]  # (start, end) -> the owner's tokens there
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +45,15 @@ class BlockCopy:
 
 
 class BlockTable:
-    """Logical → physical blocks of one sequence, with the token ids its slots hold."""
+    """Logical → physical blocks of one sequence, and how many of its slots are filled."""
 
-    def __init__(self, pool: BlockPool, cache_salt: str | None = None) -> None:
+    def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
-        self.salt = salt_key(cache_salt)
         self.block_ids: list[int] = []
-        self.token_ids: list[int] = []
-        self.block_hashes: list[BlockHash] = []
+        self.num_tokens = 0  # filled slots: tokens whose KV has (or is about to have) a place
+        self.num_published_blocks = 0
 
     # ----------------------------------------------------------------- queries
-    @property
-    def num_tokens(self) -> int:
-        """Filled slots: tokens whose KV has (or is about to have) a place."""
-        return len(self.token_ids)
-
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
@@ -71,41 +62,34 @@ class BlockTable:
     def block_size(self) -> int:
         return self.pool.layout.block_size
 
-    @property
-    def num_hashed_blocks(self) -> int:
-        return len(self.block_hashes)
-
     def num_blocks_to_append(self, num_new_tokens: int) -> int:
-        """Blocks `append_tokens` would allocate for `num_new_tokens` more tokens."""
+        """Blocks `append_slots` would allocate for `num_new_tokens` more tokens."""
         num_blocks = self.pool.layout.num_blocks_for_tokens(self.num_tokens + num_new_tokens)
         num_new_blocks = num_blocks - self.num_blocks
         return num_new_blocks + int(num_new_tokens > 0 and self._last_block_needs_copy())
 
     def _last_block_needs_copy(self) -> bool:
-        return len(self.token_ids) % self.block_size != 0 and self.pool.is_shared(
+        return self.num_tokens % self.block_size != 0 and self.pool.is_shared(
             self.block_ids[-1])
 
     # ------------------------------------------------------------------ growth
-    def append_tokens(self, token_ids: Sequence[int], computed: bool = True) -> list[BlockCopy]:
-        """Give `token_ids` slots at the end of the sequence.
+    def append_slots(self, num_new_tokens: int) -> list[BlockCopy]:
+        """Give `num_new_tokens` more tokens slots at the end of the sequence.
 
         Allocates a block only when the last one is full; copies a shared partly filled last
-        block first. All-or-nothing: on `OutOfBlocksError` the table is unchanged. With
-        `computed=False` the new full blocks are not offered to the prefix cache until
-        `mark_computed` says their KV has been written.
+        block first. All-or-nothing: on `OutOfBlocksError` the table is unchanged. The new
+        full blocks are offered to the prefix cache only by `mark_computed`.
         """
-        if not token_ids:
+        if num_new_tokens <= 0:
             return []
-        num_new_blocks = self.num_blocks_to_append(len(token_ids))
+        num_new_blocks = self.num_blocks_to_append(num_new_tokens)
         copies = self._grow(num_new_blocks) if num_new_blocks else []
         size = self.block_size
-        first_new_block = len(self.token_ids) // size
-        self.token_ids.extend(token_ids)
-        num_tokens, block_ids = len(self.token_ids), self.block_ids
+        first_new_block = self.num_tokens // size
+        self.num_tokens += num_new_tokens
+        num_tokens, block_ids = self.num_tokens, self.block_ids
         for index in range(first_new_block, len(block_ids)):
             self.pool.set_num_filled_slots(block_ids[index], min(size, num_tokens - index * size))
-        if computed:
-            self.mark_computed(num_tokens)
         return copies
 
     def _grow(self, num_new_blocks: int) -> list[BlockCopy]:
@@ -119,54 +103,38 @@ class BlockTable:
         self.block_ids.extend(new_block_ids)
         return copies
 
-    def mark_computed(
-        self, num_computed_tokens: int, block_hashes: Sequence[BlockHash] | None = None
-    ) -> None:
+    def mark_computed(self, num_computed_tokens: int, token_ids: TokenRange,
+                      block_hashes: Sequence[BlockHash]) -> None:
         """Offer every full block within the first `num_computed_tokens` tokens to the prefix
-        cache. `block_hashes`, when given, is the chain of the sequence's full blocks (at least
-        those); otherwise the blocks are hashed here."""
+        cache; `token_ids(start, end)` and `block_hashes` (the chain of the owner's full
+        blocks, at least those) are the owner's."""
         size = self.block_size
         num_full = min(num_computed_tokens, self.num_tokens) // size
-        for index in range(self.num_hashed_blocks, num_full):
-            tokens = self.token_ids[index * size : (index + 1) * size]
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            if block_hashes is not None:
-                block_hash = block_hashes[index]
-            else:
-                block_hash = hash_block(parent, tokens, self.salt)
-            self.block_hashes.append(block_hash)
-            self.pool.publish(self.block_ids[index], block_hash, tokens, parent)
+        for index in range(self.num_published_blocks, num_full):
+            parent = block_hashes[index - 1] if index else None
+            self.pool.publish(self.block_ids[index], block_hashes[index],
+                              token_ids(index * size, (index + 1) * size), parent)
+        self.num_published_blocks = max(self.num_published_blocks, num_full)
 
-    def prefix_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Chained hashes of the full blocks of `token_ids` under this table's salt."""
-        return hash_full_blocks(token_ids, self.block_size, self.salt)
-
-    def take_prefix(self, match: PrefixMatch, token_ids: Sequence[int],
-                    block_hashes: Sequence[BlockHash]) -> int:
-        """Start an empty table from `match` (the pool's `match_prefix` of `token_ids`, whose
-        chained hashes are `block_hashes`); returns the number of tokens whose KV is reused.
-        Those tokens are filled and computed."""
+    def take_prefix(self, match: PrefixMatch) -> int:
+        """Start an empty table from `match` (the pool's `match_prefix` of the owner's
+        leading tokens); returns the number of tokens whose KV is reused. Those tokens are
+        filled, computed and published."""
         if self.num_tokens:
             raise ValueError("take_prefix needs an empty block table")
         self.block_ids = self.pool.take_prefix(match)
-        self.token_ids = list(token_ids[: match.num_cached_tokens])
-        self.block_hashes = list(block_hashes[: len(self.block_ids)])
+        self.num_tokens = match.num_cached_tokens
+        self.num_published_blocks = len(self.block_ids)
         return match.num_cached_tokens
-
-    def take_cached_prefix(self, token_ids: Sequence[int]) -> int:
-        """`take_prefix` of the longest cached prefix of `token_ids`, hashed here."""
-        hashes = self.prefix_hashes(token_ids)
-        return self.take_prefix(self.pool.match_prefix(hashes, token_ids), token_ids, hashes)
 
     # ---------------------------------------------------------- share / free
     def fork(self) -> BlockTable:
         """A new table sharing every block (ref_count + 1 each, nothing copied)."""
         self.pool.retain(self.block_ids)
         child = BlockTable(self.pool)
-        child.salt = self.salt
         child.block_ids = list(self.block_ids)
-        child.token_ids = list(self.token_ids)
-        child.block_hashes = list(self.block_hashes)
+        child.num_tokens = self.num_tokens
+        child.num_published_blocks = self.num_published_blocks
         return child
 
     def remap(self, old_to_new: dict[int, int]) -> int:
@@ -185,5 +153,5 @@ class BlockTable:
         """Return every block (tail first, so cached tail blocks are evicted first)."""
         self.pool.free(reversed(self.block_ids))
         self.block_ids = []
-        self.token_ids = []
-        self.block_hashes = []
+        self.num_tokens = 0
+        self.num_published_blocks = 0

@@ -1,6 +1,6 @@
 """Paged strategies: sequences take fixed-size blocks as they grow, from the real `BlockPool`.
 
-Each sample of a request is one `BlockTable`. Two kinds of sharing, both through the real
+Each sample of a request is one `SequenceBlocks`. Two kinds of sharing, both through the real
 memory core:
 
 - `share_prefix`: the pool's prefix cache is on; a new table first takes the longest cached run
@@ -22,10 +22,10 @@ is the one the table takes.
 from __future__ import annotations
 
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout, cdiv
 from kvpool.memory.prefix_cache import BlockHash, PrefixMatch, hash_full_blocks
+from kvpool.memory.sequence_blocks import SequenceBlocks
 from kvpool.sim.strategies import MemorySnapshot, SimConfig
 from kvpool.sim.trace import Request
 
@@ -58,7 +58,7 @@ class PagedStrategy:
         if num_blocks < 1:
             raise ValueError(f"the budget does not hold one block of {block_size} tokens")
         self.pool = BlockPool(num_blocks, KVLayout(block_size), enable_prefix_caching=share_prefix)
-        self._tables: dict[int, list[BlockTable]] = {}
+        self._tables: dict[int, list[SequenceBlocks]] = {}
         self._prompt_hashes: dict[int, list[BlockHash]] = {}
 
     # --------------------------------------------------------------- admission
@@ -68,7 +68,7 @@ class PagedStrategy:
         needed = self._num_blocks_to_admit(request, num_generated, match)
         if needed > self.pool.num_allocatable_blocks:
             return False
-        tables: list[BlockTable] = []
+        tables: list[SequenceBlocks] = []
         try:
             self._build_tables(request, prompt, match, num_generated, tables)
         except OutOfBlocksError:  # a rare prefix-cache corner the count did not foresee
@@ -80,7 +80,7 @@ class PagedStrategy:
         return True
 
     def _build_tables(self, request: Request, prompt: list[int], match: PrefixMatch,
-                      num_generated: int, tables: list[BlockTable]) -> None:
+                      num_generated: int, tables: list[SequenceBlocks]) -> None:
         for sample in range(self.config.num_samples):
             if self.fork_samples and sample > 0:
                 tables.append(tables[0].fork())
@@ -92,8 +92,9 @@ class PagedStrategy:
                 tokens = [generated_token_id(request, sample)] * num_generated
                 table.append_tokens(tokens, computed=self.share_prefix)
 
-    def _prompt_table(self, request: Request, prompt: list[int], match: PrefixMatch) -> BlockTable:
-        table = BlockTable(self.pool)
+    def _prompt_table(self, request: Request, prompt: list[int],
+                      match: PrefixMatch) -> SequenceBlocks:
+        table = SequenceBlocks(self.pool)
         hashes = self._hashes(request, prompt) if self.share_prefix else []
         num_cached = table.take_prefix(match, prompt, hashes)
         table.append_tokens(prompt[num_cached:], computed=self.share_prefix)
@@ -137,7 +138,7 @@ class PagedStrategy:
             table.append_tokens([generated_token_id(request, sample)], computed=self.share_prefix)
         return True
 
-    def _num_blocks_to_grow(self, tables: list[BlockTable]) -> int:
+    def _num_blocks_to_grow(self, tables: list[SequenceBlocks]) -> int:
         num_needed = sum(table.num_blocks_to_append(1) for table in tables)
         if len(tables) == 1:
             return num_needed

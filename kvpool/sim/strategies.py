@@ -16,7 +16,7 @@ a sequence holds:
                         exact ranges; an admission that fails on fragmentation compacts the
                         arena first (moving running sequences' KV; the bytes moved are counted)
     paged-B             blocks of B tokens taken as the sequence grows (the real `BlockPool`
-                        and `BlockTable`)
+                        and `SequenceBlocks`)
     paged-B+prefix      ... and full blocks of a shared system prompt reused across requests
     paged-B+fork        ... and the n samples of a request forked from one prompt (copy-on-write)
 

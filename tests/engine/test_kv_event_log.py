@@ -23,11 +23,11 @@ from kvpool.engine.kv_events import (
 )
 from kvpool.engine.kv_events_config import KVEventsConfig
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.prefix_cache import hash_block, hash_full_blocks, salt_key
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
+from kvpool.memory.sequence_blocks import SequenceBlocks
 from kvpool.router.prefix_index import PrefixIndex
 
 CONFIG = KVEventsConfig(True, publisher="null", topic="kv")
@@ -85,9 +85,9 @@ def test_a_malformed_message_is_a_value_error(frames) -> None:
 def test_a_chain_is_one_event_and_a_shared_prefix_names_its_parent() -> None:
     pool = BlockPool(8, LAYOUT)
     log, publisher = make_log((pool, DEVICE))
-    first = BlockTable(pool, "t")
+    first = SequenceBlocks(pool, "t")
     first.append_tokens([1, 2, 3, 4, 5, 6, 7])  # three full blocks, published in order
-    second = BlockTable(pool, "t")
+    second = SequenceBlocks(pool, "t")
     second.take_cached_prefix([1, 2, 3, 4, 9, 9])
     second.append_tokens([9, 9])
     log.drain()
@@ -104,7 +104,7 @@ def test_a_chain_is_one_event_and_a_shared_prefix_names_its_parent() -> None:
 def test_evictions_for_reuse_are_removed_and_numbered_per_batch() -> None:
     pool = BlockPool(3, LAYOUT)
     log, publisher = make_log((pool, DEVICE))
-    table = BlockTable(pool)
+    table = SequenceBlocks(pool)
     table.append_tokens([1, 2, 3, 4])
     table.free()
     log.drain()
@@ -119,7 +119,7 @@ def test_an_elastic_shrink_is_removed_and_a_relocation_is_no_event() -> None:
     pool = ResizableBlockPool(8, LAYOUT)
     pool.add_blocks(range(1, 8))
     log, publisher = make_log((pool, DEVICE))
-    kept, dropped = BlockTable(pool), BlockTable(pool)
+    kept, dropped = SequenceBlocks(pool), SequenceBlocks(pool)
     kept.append_tokens([1, 2])
     dropped.append_tokens([3, 4])
     dropped.free()
@@ -134,7 +134,7 @@ def test_an_elastic_shrink_is_removed_and_a_relocation_is_no_event() -> None:
 def test_a_spill_names_the_parent_the_device_published() -> None:
     device, host = BlockPool(4, LAYOUT), BlockPool(4, LAYOUT, medium=HOST)
     log, publisher = make_log((device, DEVICE), (host, HOST))
-    table = BlockTable(device)
+    table = SequenceBlocks(device)
     table.append_tokens([1, 2, 3, 4])
     hashes = list(table.block_hashes)
     [host_id] = host.allocate(1)
@@ -148,7 +148,7 @@ def test_a_spill_names_the_parent_the_device_published() -> None:
 def test_reset_clears_all_once_every_tier_is_empty() -> None:
     device, host = BlockPool(4, LAYOUT), BlockPool(4, LAYOUT, medium=HOST)
     log, publisher = make_log((device, DEVICE), (host, HOST))
-    table = BlockTable(device)
+    table = SequenceBlocks(device)
     table.append_tokens([1, 2])
     table.free()
     [host_id] = host.allocate(1)
@@ -175,14 +175,14 @@ class EventLogMachine(RuleBasedStateMachine):
         self.memory = KVMemory(LAYOUT, 6, host_num_bytes=5 * LAYOUT.bytes_per_block)
         self.log, self.publisher = make_log((self.memory.pool, DEVICE),
                                             (self.memory.tiers.host.pool, HOST))
-        self.tables: list[BlockTable] = []
+        self.tables: list[SequenceBlocks] = []
         self.index = PrefixIndex()
         self.num_applied = 0
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=7),
           salt=st.sampled_from(SALTS))
     def add_table(self, tokens: list[int], salt: str | None) -> None:
-        table = BlockTable(self.memory.pool, salt)
+        table = SequenceBlocks(self.memory.pool, salt)
         table.take_cached_prefix(tokens)
         rest = tokens[table.num_tokens:]
         if table.num_blocks_to_append(len(rest)) > self.memory.pool.num_allocatable_blocks:

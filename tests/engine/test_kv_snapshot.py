@@ -59,7 +59,9 @@ def test_forks_and_shared_prefixes_show_as_shared_blocks_with_every_holder(make_
     assert 0 < shared[-1].derived.shared_fraction <= 1
     final = snapshots[-1]
     assert final.device.count(USED) == 0 and final.device.lru, "prefixes stay cached"
-    assert final.derived.alloc_rate > 0 and final.derived.rate_window_s > 0
+    # Rates cover the last 10 s of steps: on a loaded machine the final window may no longer
+    # hold an allocation, so the run as a whole must have shown one.
+    assert any(s.derived.alloc_rate > 0 for s in snapshots) and final.derived.rate_window_s > 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -58,7 +58,7 @@ class KVTiersMachine(RuleBasedStateMachine):
         request = Request(str(self.next_id), None, tokens, SamplingParams(), 0.0,
                           salt_key(salt), (None,), cache_salt=salt)
         hashes = hash_full_blocks(tokens, LAYOUT.block_size, request.salt)
-        seq = Sequence(self.next_id, request, 0, self.kv.new_block_table(salt), hashes)
+        seq = Sequence(self.next_id, request, 0, self.kv.new_block_table(), hashes)
         request.sequences.append(seq)
         self.next_id += 1
         return seq

@@ -240,7 +240,7 @@ def test_a_prompt_is_hashed_once_however_long_it_waits(monkeypatch):
     scheduler.finish(hog, FinishReason.STOP)
     run_step(scheduler)  # admitted, computed, published: with the hashes it already had
     assert blocked.status is SequenceStatus.RUNNING and counting.num_sha256 == 6
-    assert blocked.block_table.num_hashed_blocks == 2
+    assert blocked.block_table.num_published_blocks == 2
 
 
 @pytest.mark.parametrize("chunked", [True, False])

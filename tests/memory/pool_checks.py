@@ -6,12 +6,13 @@ import math
 from collections.abc import Iterable
 
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.pool_snapshot import CACHED, FREE, OFFLINE, USED, PoolView
 from kvpool.memory.prefix_cache import hash_full_blocks
+from kvpool.memory.sequence_blocks import SequenceBlocks
 
 
-def assert_cached_blocks_hold_table_tokens(pool: BlockPool, tables: Iterable[BlockTable]) -> None:
+def assert_cached_blocks_hold_table_tokens(pool: BlockPool,
+                                           tables: Iterable[SequenceBlocks]) -> None:
     """Every cached block a table holds is found under the hash of that table's own tokens
     and salt: the prefix cache never maps a table's prefix to a block of other tokens."""
     size = pool.block_size

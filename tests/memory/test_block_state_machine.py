@@ -21,10 +21,10 @@ from hypothesis.stateful import (
 from pool_checks import assert_cached_blocks_hold_table_tokens, assert_view_matches_pool
 
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.pool_view import take_pool_view
+from kvpool.memory.sequence_blocks import SequenceBlocks
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -39,11 +39,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool = BlockPool(NUM_BLOCKS, KVLayout(BLOCK_SIZE))
-        self.tables: dict[int, BlockTable] = {}
+        self.tables: dict[int, SequenceBlocks] = {}
         self.expected_tokens: dict[int, list[int]] = {}
         self.next_id = 0
 
-    def _register(self, table: BlockTable, tokens: list[int]) -> int:
+    def _register(self, table: SequenceBlocks, tokens: list[int]) -> int:
         seq_id = self.next_id
         self.next_id += 1
         self.tables[seq_id] = table
@@ -60,7 +60,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if self.tables and reuse_from % 2 == 0:
             donor = list(self.tables)[reuse_from % len(self.tables)]
             tokens = self.expected_tokens[donor] + tokens
-        table = BlockTable(self.pool, cache_salt=salt)
+        table = SequenceBlocks(self.pool, cache_salt=salt)
         before = self._stats_tuple()
         num_cached = table.take_cached_prefix(tokens)
         assert num_cached % BLOCK_SIZE == 0 and table.token_ids == tokens[:num_cached]

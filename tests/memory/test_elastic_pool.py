@@ -15,13 +15,13 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from kvpool.memory.arena import Arena
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
 from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_pool import StaticKVPool
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
+from kvpool.memory.sequence_blocks import SequenceBlocks
 
 BLOCK_SIZE = 2
 LAYOUT = KVLayout(BLOCK_SIZE, num_layers=2, num_kv_heads=1, head_dim=8)
@@ -44,9 +44,9 @@ def make_elastic(num_blocks: int = 16, layout: KVLayout = LAYOUT, **options) -> 
     return ElasticKVPool(pool, kv_cache, arena, ElasticPoolConfig(**options))
 
 
-def write_table(elastic: ElasticKVPool, tokens: list[int]) -> BlockTable:
+def write_table(elastic: ElasticKVPool, tokens: list[int]) -> SequenceBlocks:
     """A table holding `tokens`, its blocks filled with data unique to each block."""
-    table = BlockTable(elastic.pool)
+    table = SequenceBlocks(elastic.pool)
     table.append_tokens(tokens)
     for block_id in table.block_ids:
         elastic.kv_cache.tensor[block_id] = torch.randn(elastic.kv_cache.tensor.shape[1:])
@@ -130,7 +130,7 @@ def test_shrink_evicts_unreferenced_cached_blocks_and_moves_held_prefixes():
     assert elastic.stats().num_evicted_blocks == 3
     assert elastic.pool.match_prefix(holder.prefix_hashes([3, 4]), [3, 4]).block_ids == []
     holder.free()
-    reader = BlockTable(elastic.pool)
+    reader = SequenceBlocks(elastic.pool)
     assert reader.take_cached_prefix([1, 2, 9]) == 2  # the moved block still serves [1, 2]
     assert torch.equal(elastic.kv_cache.tensor[reader.block_ids[0]], data)
     elastic.check_invariants()
@@ -246,7 +246,7 @@ def test_static_pool_is_the_null_object():
     kv_cache = KVCache(LAYOUT, 9, storage=storage)
     static = StaticKVPool(BlockPool(8, LAYOUT), kv_cache, arena)
     assert torch.count_nonzero(kv_cache.tensor) == 0
-    table = BlockTable(static.pool)
+    table = SequenceBlocks(static.pool)
     table.append_tokens(list(range(16)))
     assert static.grow() is False and static.shrink([table]) is False
     static.maybe_resize(1e9, [table])
@@ -274,12 +274,12 @@ class ElasticPoolMachine(RuleBasedStateMachine):
             num_blocks=16, layout=self.layout, segment_blocks=4, initial_blocks=0,
             low_watermark_blocks=1,
         )
-        self.tables: dict[int, BlockTable] = {}
+        self.tables: dict[int, SequenceBlocks] = {}
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
         self.now = 0.0
 
-    def _append(self, seq: int, table: BlockTable, new_tokens: list[int]) -> bool:
+    def _append(self, seq: int, table: SequenceBlocks, new_tokens: list[int]) -> bool:
         start = table.num_tokens
         while True:  # as the engine's KV manager does: grow before giving up
             try:
@@ -305,7 +305,7 @@ class ElasticPoolMachine(RuleBasedStateMachine):
     @rule(target=sequences, tokens=TOKENS)
     def new_sequence(self, tokens):
         seq = self.next_id = self.next_id + 1
-        table = BlockTable(self.elastic.pool)
+        table = SequenceBlocks(self.elastic.pool)
         table.take_cached_prefix(tokens)
         self.tokens[seq] = list(tokens[: table.num_tokens])
         if not self._append(seq, table, tokens[table.num_tokens :]):
@@ -342,7 +342,7 @@ class ElasticPoolMachine(RuleBasedStateMachine):
         singles = []
         while self.elastic.pool.num_allocatable_blocks or self.elastic.grow():
             seq = self.next_id = self.next_id + 1
-            self.tables[seq], self.tokens[seq] = BlockTable(self.elastic.pool), []
+            self.tables[seq], self.tokens[seq] = SequenceBlocks(self.elastic.pool), []
             self._append(seq, self.tables[seq], [token, seq])
             singles.append(seq)
         for seq in singles[::2]:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvpool.memory.block_pool import HOST, BlockPool
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_listener import KVListener, KVListeners
 from kvpool.memory.prefix_cache import hash_full_blocks
+from kvpool.memory.sequence_blocks import SequenceBlocks
 
 LAYOUT = KVLayout(block_size=2)
 ABOVE_MEMORY = ("kvpool.engine", "kvpool.server", "kvpool.router", "kvpool.inspect",
@@ -83,7 +83,7 @@ def test_a_pool_emits_stored_evicted_and_cleared_with_its_medium() -> None:
     heard: list[tuple] = []
     pool = BlockPool(2, LAYOUT, medium=HOST)
     pool.listeners.add(Recording("a", heard))
-    table = BlockTable(pool)
+    table = SequenceBlocks(pool)
     table.append_tokens([1, 2, 3, 4])  # two full blocks: both published
     table.free()  # cached, tail first
     pool.allocate(1)  # evicts the least recently used: the tail block

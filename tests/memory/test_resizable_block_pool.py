@@ -22,10 +22,10 @@ from hypothesis.stateful import (
 )
 from pool_checks import assert_cached_blocks_hold_table_tokens
 
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
+from kvpool.memory.sequence_blocks import SequenceBlocks
 
 
 def make_pool(online: range | list[int], capacity_blocks: int, block_size: int = 4):
@@ -77,7 +77,7 @@ def test_add_rejects_online_repeated_out_of_range_and_null_ids_without_change():
 
 def test_remove_takes_free_and_cached_blocks_offline_and_refuses_used_ones():
     pool = make_pool(range(1, 7), 7, block_size=2)
-    table = BlockTable(pool)
+    table = SequenceBlocks(pool)
     table.append_tokens([1, 2, 3, 4, 5])  # blocks 1, 2 full (hashed), 3 partial
     with pytest.raises(InvalidBlockError, match="it is used"):
         pool.remove_blocks([4, 3])
@@ -93,7 +93,7 @@ def test_remove_takes_free_and_cached_blocks_offline_and_refuses_used_ones():
 
 def test_relocate_moves_references_filled_slots_and_the_prefix_cache_entry():
     pool = make_pool(range(1, 9), 9, block_size=2)
-    writer = BlockTable(pool)
+    writer = SequenceBlocks(pool)
     writer.append_tokens([1, 2, 3, 4, 5])  # blocks 1, 2 (hashed), 3 (1 of 2 slots)
     reader = writer.fork()
     pool.remove_blocks([4, 5])  # so the new ids are visibly the next free ones: 6, 7, 8
@@ -108,12 +108,12 @@ def test_relocate_moves_references_filled_slots_and_the_prefix_cache_entry():
     pool.check_invariants()
     writer.free()
     reader.free()
-    assert BlockTable(pool).take_cached_prefix([1, 2, 3, 4, 9]) == 4  # hits at 6 and 7
+    assert SequenceBlocks(pool).take_cached_prefix([1, 2, 3, 4, 9]) == 4  # hits at 6 and 7
 
 
 def test_relocate_is_all_or_nothing():
     pool = make_pool(range(1, 5), 5, block_size=2)
-    table = BlockTable(pool)
+    table = SequenceBlocks(pool)
     table.append_tokens([1, 2, 3, 4, 5, 6])  # blocks 1, 2, 3
     with pytest.raises(OutOfBlocksError):
         pool.relocate_blocks([1, 2])
@@ -126,7 +126,7 @@ def test_relocate_is_all_or_nothing():
 def test_reset_makes_a_quiescent_pool_look_new():
     pool = make_pool(range(1, 5), 7, block_size=2)
     pool.add_blocks([6])
-    table = BlockTable(pool)
+    table = SequenceBlocks(pool)
     table.append_tokens([1, 2, 3, 4, 5])
     with pytest.raises(InvalidBlockError, match="used blocks"):
         pool.reset()
@@ -163,13 +163,13 @@ class OnlineBlockPoolMachine(RuleBasedStateMachine):
         self.pool = ResizableBlockPool(1 + SEGMENT_BLOCKS * NUM_SEGMENTS, KVLayout(BLOCK_SIZE))
         self.pool.add_blocks(_segment_ids(0) + _segment_ids(1))
         self.online = {0, 1}
-        self.tables: dict[int, BlockTable] = {}
+        self.tables: dict[int, SequenceBlocks] = {}
         self.expected: dict[int, list[int]] = {}
         self.next_id = 0
 
     @rule(target=sequences, tokens=TOKENS)
     def new_sequence(self, tokens):
-        table = BlockTable(self.pool)
+        table = SequenceBlocks(self.pool)
         table.take_cached_prefix(tokens)
         try:
             table.append_tokens(tokens[table.num_tokens :])

@@ -12,9 +12,9 @@ import torch
 
 from kvpool.engine.model_runner import ModelRunner, SequenceChunk
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.sequence_blocks import SequenceBlocks
 
 LOGITS_ATOL = 1e-3
 NUM_NEW_TOKENS = 32
@@ -106,7 +106,7 @@ class _Sequence:
     """One prompt in the mixed-batch test: its block table and what it has produced."""
 
     def __init__(self, pool: BlockPool, prompt: list[int]) -> None:
-        self.table = BlockTable(pool)
+        self.table = SequenceBlocks(pool)
         self.prompt = prompt
         self.num_computed_tokens = 0
         self.output: list[int] = []
