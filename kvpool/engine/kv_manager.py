@@ -38,7 +38,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
-from kvpool.engine.prompt_logprobs import pending_positions
+from kvpool.engine.requests.prompt_logprobs import pending_positions
 from kvpool.engine.sequence import Sequence
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError

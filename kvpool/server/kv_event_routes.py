@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request, Response
 
 from kvpool.engine.async_engine import EngineClosedError
 from kvpool.engine.engine import LLMEngine
-from kvpool.engine.kv_events import EventSnapshot
+from kvpool.formats.kv_events import EventSnapshot
 from kvpool.server.errors import OpenAIError
 from kvpool.server.generation import ServerState
 from kvpool.server.protocol import ErrorResponse

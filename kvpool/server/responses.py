@@ -16,7 +16,7 @@ first, else token id -> {logprob, rank, decoded_token}, -inf written as -9999.0 
 
 from __future__ import annotations
 
-from kvpool.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpool.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpool.server.inputs import EngineInputs, EnginePrompt
 from kvpool.server.protocol import (
     AssistantMessage,

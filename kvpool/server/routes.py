@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 
 from kvpool.engine.async_engine import EngineClosedError, EngineError
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.server.auth import derive_cache_salt
 from kvpool.server.chat_inputs import chat_inputs
 from kvpool.server.errors import OpenAIError, bad_request

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from kvpool.engine.outputs import CompletionOutput, RequestOutput
+from kvpool.engine.requests.outputs import CompletionOutput, RequestOutput
 from kvpool.server.inputs import EngineInputs
 from kvpool.server.protocol import (
     ChatChunkChoice,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from kvpool.formats.kv_snapshot import CACHED, FREE, OFFLINE, USED, PoolView
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.block_table import BlockTable
-from kvpool.memory.pool_snapshot import CACHED, FREE, OFFLINE, USED, PoolView
 from kvpool.memory.prefix_cache import hash_full_blocks
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import httpx
 
-from kvpool.engine.kv_events import KVEventLog
+from kvpool.engine.observability.event_log import KVEventLog
 from kvpool.memory.prefix_cache import hash_full_blocks, salt_key
 from kvpool.router.kv_event_subscriber import (
     KVEventSubscriber,

@@ -10,18 +10,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.engine.kv_events import (
+from kvpool.engine.observability.event_log import KVEventLog
+from kvpool.engine.observability.events_config import KVEventsConfig
+from kvpool.formats.kv_events import (
     DEVICE,
     HOST,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventLog,
     decode_message,
     encode_message,
 )
-from kvpool.engine.kv_events_config import KVEventsConfig
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_layout import KVLayout

@@ -1,10 +1,15 @@
-"""`kvpool.engine.outputs`: `CompletionOutput.finished()` is a method as in vLLM (while
+"""`kvpool.engine.requests.outputs`: `CompletionOutput.finished()` is a method as in vLLM (while
 `RequestOutput.finished` stays a field), and merging two DELTA outputs keeps both outputs'
 inter-token gaps, so a consumer that fell behind still counts every gap once."""
 
 from __future__ import annotations
 
-from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, merge_deltas
+from kvpool.engine.requests.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    merge_deltas,
+)
 
 
 def output(text: str, gaps: tuple[float, ...], reason: str | None = None) -> RequestOutput:

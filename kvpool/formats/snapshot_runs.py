@@ -1,4 +1,4 @@
-"""The run encodings of a KV snapshot's JSON form (`kvpool.memory.pool_snapshot`).
+"""The run encodings of a KV snapshot's JSON form (`kvpool.formats.kv_snapshot`).
 
 A snapshot of a large pool must not cost a Python object per block, in memory or in JSON:
 block ids are written as runs `[first, count]`, and short hashes as one string per run of

@@ -1,6 +1,6 @@
 """The KV allocation trace (`--kv-trace FILE`): its line format, and reading it back.
 
-The engine's recorder (`kvpool.engine.kv_recorder`) writes one JSON object per line; this
+The engine's recorder (`kvpool.engine.observability.recorder`) writes one JSON object per line; this
 module owns the format and is the one place that reads it (`kvpool inspect trace`, the
 simulator's replay). The first line is the header, then events in the order they happened:
 
@@ -17,7 +17,7 @@ Keys every event has: "e" the kind, "s" the engine step it happened in (the step
 counting from 0 after the warm-up), "t" seconds since the header's time. The others, by kind:
 
     arrive   r request id, p prompt tokens, n completions, h short hashes of the prompt's full
-             blocks (`kvpool.memory.snapshot_runs.short_hash`, chained: equal leading hashes
+             blocks (`kvpool.formats.snapshot_runs.short_hash`, chained: equal leading hashes
              mean an equal prefix)
     hit      r, q (completion index), b device blocks taken from the prefix cache, c prompt
              tokens served (all tiers), and "k": {"host": tokens, "disk": tokens, "shared":

@@ -21,8 +21,8 @@ from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.grammar import GrammarCompiler, choice_grammar
 from kvpool.engine.sampling.constraints import bitmask_penalty
+from kvpool.engine.sampling.grammar import GrammarCompiler, choice_grammar
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
 from kvpool.engine.structured_outputs import StructuredOutputsParams
@@ -274,7 +274,7 @@ def test_a_token_the_grammar_rejects_stops_the_sequence_with_a_warning(make_engi
     # the sampler picks one anyway, the matcher rejects it and the sequence stops.
     engine = make_engine(**SMALL)
     params = dataclasses.replace(structured(choice=["yes"]), min_tokens=6)
-    with caplog.at_level("WARNING", logger="kvpool.engine.output_processor"):
+    with caplog.at_level("WARNING", logger="kvpool.engine.requests.output_processor"):
         output = run_all(engine, [prompt_for(smollm2, "yes")], params)[0].outputs[0]
     assert output.finish_reason == "stop" and output.text == "yes"
     assert "grammar rejected" in caplog.text

@@ -53,7 +53,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     # With `prompt_logprobs=k`: one entry per prompt token, the first None (see
-    # `kvpool.engine.prompt_logprobs`); in the first output (DELTA) or every output.
+    # `kvpool.engine.requests.prompt_logprobs`); in the first output (DELTA) or every output.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 

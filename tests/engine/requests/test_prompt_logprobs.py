@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.prompt_logprobs import gather_prompt_logprobs
+from kvpool.engine.requests.prompt_logprobs import gather_prompt_logprobs
 from kvpool.engine.sampling.sampler import gather_logprobs
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine.conftest import PROMPTS, run_all

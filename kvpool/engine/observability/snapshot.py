@@ -15,17 +15,17 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvpool.engine.sequence import Request, Sequence, SequenceStatus
-from kvpool.memory.block_pool_stats import BlockPoolStats
-from kvpool.memory.kv_memory import KVMemory
-from kvpool.memory.pool_snapshot import (
+from kvpool.formats.kv_snapshot import (
     USED,
     DerivedFigures,
     KVSnapshot,
     PoolView,
     SequenceView,
 )
+from kvpool.formats.snapshot_runs import short_hash
+from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.pool_view import take_pool_view
-from kvpool.memory.snapshot_runs import short_hash
 
 SwappedBlocks = Callable[[Sequence], list[int]]  # a sequence's host blocks while swapped out
 

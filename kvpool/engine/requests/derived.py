@@ -18,7 +18,7 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.prefix_cache import SaltKey, salt_key
 
 if TYPE_CHECKING:
-    from kvpool.engine.grammar import GrammarCompiler, GrammarMatcher
+    from kvpool.engine.sampling.grammar import GrammarCompiler, GrammarMatcher
     from kvpool.model.tokenizer import Tokenizer
 
 

@@ -6,7 +6,7 @@
 
 Everything a step would otherwise derive again is derived here, at the edge, once: a request
 that passes intake is never checked again, and the step only indexes what intake prepared
-(`kvpool.engine.request_state`). Intake holds the limits a request is checked against (the
+(`kvpool.engine.requests.derived`). Intake holds the limits a request is checked against (the
 model's vocabulary and length, the whole KV pool's capacity, the batch's width), never the
 engine: it knows nothing of steps.
 
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.grammar import GrammarCompiler
-from kvpool.engine.request_state import (
+from kvpool.engine.requests.derived import (
     bad_words_token_ids,
     cache_salt_key,
     grammar_matchers,
     sequence_generators,
 )
+from kvpool.engine.sampling.grammar import GrammarCompiler
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.sequence import Request
 from kvpool.memory.kv_memory import KVMemory

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.engine.output_processor import OutputProcessor
+from kvpool.engine.requests.output_processor import OutputProcessor
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 from kvpool.memory.block_pool import BlockPool

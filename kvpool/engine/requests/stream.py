@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from typing import Protocol
 
-from kvpool.engine.outputs import RequestOutput, merge_deltas
+from kvpool.engine.requests.outputs import RequestOutput, merge_deltas
 from kvpool.engine.sampling_params import RequestOutputKind
 
 

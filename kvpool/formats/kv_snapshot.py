@@ -1,7 +1,8 @@
-"""A consistent picture of KV memory: every block, every block table, and derived figures.
+"""The KV snapshot format: every block, every block table, and derived figures.
 
-`take_pool_view` reads one `BlockPool`; `kvpool.engine.kv_snapshot` puts the device pool, the
-host tier's pool and every sequence's table together into a `KVSnapshot`, between two steps.
+The producers stay with their owners: `kvpool.memory.pool_view.take_pool_view` reads one
+`BlockPool`; `kvpool.engine.observability.snapshot` puts the device pool, the host tier's pool
+and every sequence's table together into a `KVSnapshot`, between two steps.
 Reading is vectorised (numpy over the pool's per-block lists), so a 100,000-block pool is
 photographed in tens of milliseconds (`kvpool bench snapshot`).
 
@@ -42,7 +43,7 @@ of consecutive ids with equal (state, ref_count, filled slots, holders), not one
             "lru": [block_id, ...]}                    cached blocks, next evicted first
 
 A holder is an index into "sequences". The runs cover ids 0 .. capacity_blocks - 1 in order.
-A short hash is `kvpool.memory.snapshot_runs.short_hash`: the first bytes of the block's
+A short hash is `kvpool.formats.snapshot_runs.short_hash`: the first bytes of the block's
 chained hash, in hex.
 
 Invariants (the snapshot tests check them against the live pool): the state counts equal
@@ -56,8 +57,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvpool.memory.block_pool_stats import BlockPoolStats
-from kvpool.memory.snapshot_runs import expand_hash_runs, expand_id_runs, hash_runs, id_runs
+from kvpool.formats.snapshot_runs import expand_hash_runs, expand_id_runs, hash_runs, id_runs
+from kvpool.memory.block_pool import BlockPoolStats
 
 SNAPSHOT_FORMAT = "kvpool.kv_snapshot"
 SNAPSHOT_VERSION = 1

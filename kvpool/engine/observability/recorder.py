@@ -1,6 +1,6 @@
 """The KV allocation-event recorder behind `--kv-trace FILE` (`EngineConfig.kv_trace`).
 
-The line format is `kvpool.engine.kv_trace`'s; this module only produces it. The engine owns
+The line format is `kvpool.formats.kv_trace`'s; this module only produces it. The engine owns
 one recorder when a trace is configured, and None otherwise. The recorder is a `KVListener`
 (`kvpool.memory.kv_listener`) registered once on the device side's fan-out
 (`KVMemory.listeners`) by `start`, and unregistered by `close`.
@@ -33,9 +33,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvpool.engine.kv_trace import EVENT_KINDS, TraceHeader
+from kvpool.formats.kv_trace import EVENT_KINDS, TraceHeader
+from kvpool.formats.snapshot_runs import short_hash
 from kvpool.memory.kv_listener import KVListener, KVListeners
-from kvpool.memory.snapshot_runs import short_hash
 
 if TYPE_CHECKING:
     from kvpool.memory.block_pool import BlockPool

@@ -11,17 +11,17 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool.engine.kv_events import (
+from kvpool.engine.observability.event_log import KVEventLog
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.formats.kv_events import (
     DEVICE,
     HOST,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventLog,
     decode_message,
 )
-from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.prefix_cache import hash_full_blocks, salt_key
 from kvpool.router.prefix_index import PrefixIndex
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.engine.outputs import Logprob
+from kvpool.engine.requests.outputs import Logprob
 from kvpool.engine.scheduler_output import ScheduledChunk
 from kvpool.engine.sequence import Request
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvpool.engine.prompt_logprobs import prompt_logprobs_of
+from kvpool.engine.requests.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpool.engine.requests.prompt_logprobs import prompt_logprobs_of
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.engine.scheduler import StopDecision
 from kvpool.engine.scheduler_output import ScheduledChunk

@@ -16,7 +16,7 @@ The same JSON object vLLM takes (`--kv-events-config '{"enable_kv_cache_events":
 
 vLLM's `replay_endpoint` and `buffer_steps` (a replay socket) must stay unset: a kvpool
 consumer that lost events resyncs from the replica's `GET /v1/kv/events/snapshot` instead.
-The wire format and the events are `kvpool.engine.kv_events`.
+The wire format and the events are `kvpool.formats.kv_events`.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import pytest
 
 from kvpool.cli.args import add_engine_args, engine_config_from_args
 from kvpool.engine.config import EngineConfig
-from kvpool.engine.kv_trace import KVTrace, read_kv_trace
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.vllm_compat import engine_config
+from kvpool.formats.kv_trace import KVTrace, read_kv_trace
 from tests.engine.conftest import PROMPTS, run_all, token_ids
 
 # Few steps per test (each costs a forward pass): tiny blocks make tiny pools fill quickly.

@@ -9,9 +9,9 @@ import time
 import pytest
 import zmq
 
-from kvpool.engine.kv_event_publisher import NullEventPublisher, ZmqEventPublisher
-from kvpool.engine.kv_events import AllBlocksCleared, KVEventBatch, decode_message
-from kvpool.engine.kv_events_config import KVEventsConfig
+from kvpool.engine.observability.events_config import KVEventsConfig
+from kvpool.engine.observability.publisher import NullEventPublisher, ZmqEventPublisher
+from kvpool.formats.kv_events import AllBlocksCleared, KVEventBatch, decode_message
 
 BATCH = KVEventBatch(0.0, [AllBlocksCleared()])
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.memory.pool_snapshot import OTHER, USED, KVSnapshot
+from kvpool.formats.kv_snapshot import OTHER, USED, KVSnapshot
 from tests.engine.conftest import PROMPTS, run_all
 from tests.engine.test_elastic_engine import ELASTIC, ELASTIC_PARAMS, ELASTIC_PROMPTS
 from tests.memory.pool_checks import assert_view_matches_pool

@@ -26,14 +26,9 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvpool.engine.kv_events import (
-    EventPublisher,
-    KVEventBatch,
-    KVEventLog,
-    PublisherStats,
-    encode_message,
-)
-from kvpool.engine.kv_events_config import KVEventsConfig
+from kvpool.engine.observability.event_log import EventPublisher, KVEventLog, PublisherStats
+from kvpool.engine.observability.events_config import KVEventsConfig
+from kvpool.formats.kv_events import KVEventBatch, encode_message
 
 __all__ = ["EventPublisher", "NullEventPublisher", "PublisherStats", "ZmqEventPublisher",
            "make_publisher", "start_kv_events"]
