@@ -34,10 +34,10 @@ from kvpool.formats.kv_snapshot import KVSnapshot
 from kvpool.formats.snapshot_runs import SHORT_HASH_BYTES
 from kvpool.inspect.explain import explain_prompt
 from kvpool.inspect.palette import BACKGROUND_COLOUR, BLOCK_COLOURS, SHARED_MARKER_COLOUR
-from kvpool.server.auth import derive_cache_salt, tenant_of_salt
-from kvpool.server.errors import OpenAIError, bad_request
+from kvpool.openai.auth import derive_cache_salt, tenant_of_salt
+from kvpool.openai.errors import OpenAIError, bad_request
+from kvpool.openai.protocol import ErrorResponse, RequestModel, TokenId
 from kvpool.server.generation import ServerState
-from kvpool.server.protocol import ErrorResponse, RequestModel, TokenId
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 503)

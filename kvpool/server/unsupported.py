@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.server.errors import bad_request
-from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvpool.openai.errors import bad_request
+from kvpool.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 _VLLM_GUIDED = "was removed from vLLM; use structured_outputs (or response_format)"
 

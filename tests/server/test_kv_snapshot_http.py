@@ -23,7 +23,7 @@ from kvpool.cli.serve import server_config_from_args
 from kvpool.engine.async_engine import EngineClosedError
 from kvpool.formats.kv_snapshot import BLOCK_STATES, KVSnapshot
 from kvpool.inspect.palette import BLOCK_COLOURS
-from kvpool.server.auth import ADMIN_TENANT, ApiKeyTable, derive_cache_salt, tenant_of_salt
+from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable, derive_cache_salt, tenant_of_salt
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, RunningServer, serve, slow_steps
 

@@ -22,9 +22,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvpool.server.errors import OpenAIError, bad_request
-from kvpool.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
-from kvpool.server.structured import Constraint, compile_constraint, make_constraint
+from kvpool.openai.errors import OpenAIError, bad_request
+from kvpool.openai.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
+from kvpool.openai.structured import Constraint, compile_constraint, make_constraint
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}

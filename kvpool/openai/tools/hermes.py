@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from kvpool.server.tools.parser import (
+from kvpool.openai.tools.parser import (
     ParsedToolCall,
     StreamPiece,
     ToolCallDelta,

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpool.server.protocol import ErrorDetail, ErrorResponse
+from kvpool.openai.protocol import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

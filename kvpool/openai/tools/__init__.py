@@ -2,8 +2,8 @@
 how the prompt shows the tools (`prompt`), how the output is read back into calls (`parser`,
 `hermes`, `output`)."""
 
-from kvpool.server.tools import hermes  # noqa: F401  (registers the "hermes" parser)
-from kvpool.server.tools.parser import get_tool_parser, tool_parser_names
+from kvpool.openai.tools import hermes  # noqa: F401  (registers the "hermes" parser)
+from kvpool.openai.tools.parser import get_tool_parser, tool_parser_names
 
 DEFAULT_TOOL_PARSER = "hermes"
 

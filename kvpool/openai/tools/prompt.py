@@ -24,8 +24,8 @@ import functools
 import json
 from typing import Any
 
-from kvpool.server.protocol import ChatMessage, ToolCall, ToolDefinition
-from kvpool.server.tools.choice import ToolPlan
+from kvpool.openai.protocol import ChatMessage, ToolCall, ToolDefinition
+from kvpool.openai.tools.choice import ToolPlan
 
 
 def conversation(messages: list[ChatMessage], plan: ToolPlan, template: str | None

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import uuid
 
-from kvpool.server.tools.choice import ToolPlan
-from kvpool.server.tools.parser import (
+from kvpool.openai.tools.choice import ToolPlan
+from kvpool.openai.tools.parser import (
     StreamPiece,
     ToolCallDelta,
     ToolCallStreamer,

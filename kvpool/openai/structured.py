@@ -17,8 +17,8 @@ from typing import Any
 
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.structured_outputs import StructuredOutputsParams
-from kvpool.server.errors import bad_request
-from kvpool.server.protocol import ResponseFormat, SamplingFields, StructuredOutputsRequest
+from kvpool.openai.errors import bad_request
+from kvpool.openai.protocol import ResponseFormat, SamplingFields, StructuredOutputsRequest
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpool.server.auth import ADMIN_TENANT, DEFAULT_TENANT, ApiKeyTable
-from kvpool.server.errors import OpenAIError
+from kvpool.openai.auth import ADMIN_TENANT, DEFAULT_TENANT, ApiKeyTable
+from kvpool.openai.errors import OpenAIError
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/dashboard"})
 METRICS_PATH = "/metrics"
