@@ -1,8 +1,9 @@
 """/v1/chat/completions' engine inputs: the conversation rendered into one prompt, its tools
 planned, its output budget and sampling parameters (shared with completions, `inputs.py`).
 
-The chat template is the server's `--chat-template` if given, else the model's. Tools are
-rendered by `tools/prompt.py` (the template's own way when it takes `tools`, else kvpool's
+The prompt is `kvpool.openai.prompts.chat_prompt`'s, which the router uses too. The chat
+template is the server's `--chat-template` if given, else the model's. Tools are rendered by
+`kvpool/openai/tools/prompt.py` (the template's own way when it takes `tools`, else kvpool's
 default tool prompt); `tool_choice` `required` or a named function constrains decoding
 (`tools/choice.py`), which cannot be combined with another constraint
 (`response_format`/`structured_outputs`). With tools in play (`auto`) a parser that needs

@@ -8,7 +8,7 @@ explicitly; any other value is refused before tokenizing. Fields that change not
 no one defines stay ignored, as vLLM ignores unknown fields.
 
 The request bodies keep unknown fields (`model_extra`), which is where these are read from:
-none of them is declared in `protocol.py`, so none of them can reach the engine.
+none of them is declared in `kvpool/openai/protocol.py`, so none of them can reach the engine.
 """
 
 from __future__ import annotations
