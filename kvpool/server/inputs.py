@@ -1,11 +1,10 @@
 """From an OpenAI request body to engine inputs: token ids and `SamplingParams` per prompt.
 
-Every check that can fail on user input lives here (and in `chat_inputs.py`,
-`unsupported.py`, `kvpool/openai/`'s `prompts.py`, `structured.py`, `tools/choice.py`) and
-raises `OpenAIError` 400 with the
-parameter named: empty or too many prompts, a prompt that fills the context, `max_tokens`
-beyond the context, `n`/`logprobs`/stop limits, fields kvpool does not honour, constraints
-the grammar compiler refuses, and the range checks of `SamplingParams` (its
+Every check that can fail on user input lives here (and in `chat_inputs.py`, `unsupported.py`,
+and `kvpool/openai/`'s `prompts.py`, `structured.py`, `tools/choice.py`) and raises
+`OpenAIError` 400 with the parameter named: empty or too many prompts, a prompt that fills the
+context, `max_tokens` beyond the context, `n`/`logprobs`/stop limits, fields kvpool does not
+honour, constraints the grammar compiler refuses, and the range checks of `SamplingParams` (its
 `InvalidRequestError`: the message as it is, the field from its `param`). No message
 includes the client's value; numbers the server computed (context lengths, token counts)
 are fine.
