@@ -13,8 +13,8 @@ _LAZY_EXPORTS = {
     "LLM": "kvpool.engine.llm",
     "SamplingParams": "kvpool.engine.sampling_params",
     "RequestOutputKind": "kvpool.engine.sampling_params",
-    "RequestOutput": "kvpool.engine.outputs",
-    "CompletionOutput": "kvpool.engine.outputs",
+    "RequestOutput": "kvpool.engine.requests.outputs",
+    "CompletionOutput": "kvpool.engine.requests.outputs",
 }
 
 

@@ -140,10 +140,10 @@ def main() -> None:
     from kvpool.engine.async_engine import AsyncLLMEngine
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.engine import LLMEngine
-    from kvpool.engine.kv_trace import read_kv_trace
+    from kvpool.formats.kv_snapshot import KVSnapshot
+    from kvpool.formats.kv_trace import read_kv_trace
     from kvpool.inspect.pool_map import draw_pool_map
     from kvpool.inspect.timeline import write_timeline
-    from kvpool.memory.pool_snapshot import KVSnapshot
     from kvpool.server.app import build_app
     from kvpool.server.background import BackgroundServer
     from kvpool.server.config import ServerConfig

@@ -34,7 +34,7 @@ MODES = ("untraced", "traced")
 def run_batch(engine, requests: list[tuple[list[int], int]], trace_path: Path | None) -> dict:
     """Generate the whole batch from a reset, traced to `trace_path` when given; its wall time,
     output tokens and every request's token ids."""
-    from kvpool.engine.kv_recorder import KVRecorder
+    from kvpool.engine.observability.recorder import KVRecorder
 
     engine.reset_stats()
     start = time.perf_counter()

@@ -139,7 +139,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=None,
         metavar="FILE",
         help="write every KV block allocation, free, hit, eviction, preemption and resize to "
-        "FILE, one JSON line each (kvpool.engine.kv_trace)",
+        "FILE, one JSON line each (kvpool.formats.kv_trace)",
     )
     _add_kv_pool_args(parser)
     _add_kv_tier_args(parser)

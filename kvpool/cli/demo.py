@@ -17,7 +17,7 @@ from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from kvpool.engine.llm import LLM
-    from kvpool.engine.outputs import RequestOutput
+    from kvpool.engine.requests.outputs import RequestOutput
     from kvpool.memory import BlockPool, BlockPoolStats
     from kvpool.memory.kv_layout import KVLayout
 

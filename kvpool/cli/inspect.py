@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvpool.formats.kv_snapshot import KVSnapshot
     from kvpool.inspect.explain import PrefixExplanation
-    from kvpool.memory.pool_snapshot import KVSnapshot
     from kvpool.model.tokenizer import Tokenizer
 
 TRACE_WORD = "trace"
@@ -127,7 +127,7 @@ def _check_snapshot_args(args: argparse.Namespace) -> None:
 
 
 def _load_snapshot(args: argparse.Namespace) -> KVSnapshot:
-    from kvpool.memory.pool_snapshot import KVSnapshot
+    from kvpool.formats.kv_snapshot import KVSnapshot
 
     if args.url:
         from kvpool.inspect.client import fetch_snapshot
@@ -192,7 +192,7 @@ def _run_trace(args: argparse.Namespace) -> int:
              if value]
     if extra:
         raise ValueError(f"{', '.join(extra)} do(es) not apply to `kvpool inspect trace`")
-    from kvpool.engine.kv_trace import read_kv_trace
+    from kvpool.formats.kv_trace import read_kv_trace
     from kvpool.inspect.timeline import write_timeline
 
     path = Path(args.trace_file)

@@ -91,9 +91,9 @@ def _add_timing_args(parser: argparse.ArgumentParser) -> None:
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     from kvpool.cli.serve import api_keys_from_args, load_chat_template
+    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
+    from kvpool.openai.middleware import AccessPolicy
     from kvpool.router.config import RouterConfig
-    from kvpool.server.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
-    from kvpool.server.middleware import AccessPolicy
 
     metrics_keys = [(METRICS_TENANT, args.metrics_api_key)] if args.metrics_api_key else []
     access = AccessPolicy(

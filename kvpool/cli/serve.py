@@ -99,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from kvpool.server.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
+    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
     from kvpool.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]

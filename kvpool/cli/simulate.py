@@ -120,7 +120,7 @@ def _build_trace(args: argparse.Namespace) -> tuple[list[Request], KVTraceReques
 
 
 def _load_trace_file(args: argparse.Namespace) -> tuple[list[Request], KVTraceRequests | None]:
-    from kvpool.engine.kv_trace import is_kv_trace, read_kv_trace
+    from kvpool.formats.kv_trace import is_kv_trace, read_kv_trace
     from kvpool.sim.kv_trace_replay import requests_from_kv_trace
     from kvpool.sim.trace import load_jsonl
 

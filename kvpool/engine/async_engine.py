@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
-from kvpool.engine.grammar import GrammarCompiler
-from kvpool.engine.outputs import RequestOutput
-from kvpool.engine.request_stream import RequestStream
+from kvpool.engine.requests.outputs import RequestOutput
+from kvpool.engine.requests.stream import RequestStream
+from kvpool.engine.sampling.grammar import GrammarCompiler
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.formats.kv_snapshot import KVSnapshot
+from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.kv_pool import KVPoolStats
-from kvpool.memory.pool_snapshot import KVSnapshot
 from kvpool.memory.tiers.kv_tiers import KVTierStats
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvpool.attention.selector import ATTENTION_BACKENDS
 from kvpool.engine.generation_config import check_generation_config_source
-from kvpool.engine.kv_events_config import KVEventsConfig
+from kvpool.engine.observability.events_config import KVEventsConfig
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 from kvpool.memory.kv_pool import KV_POOL_MODES
 from kvpool.model.dtype import canonical_dtype_name
@@ -63,7 +63,7 @@ class EngineConfig:
     the CPU and CUDA.
 
     `kv_trace` names a file the engine writes its KV allocation events to, one JSON line each
-    (`kvpool.engine.kv_trace`); its directory must exist. None: nothing is recorded.
+    (`kvpool.formats.kv_trace`); its directory must exist. None: nothing is recorded.
 
     Scale-out (docs/scale-out.md): `kv_shared_redis` ("redis://host:port/db") is a KV tier
     shared by every replica that names the same Redis, below the host and disk tiers and above
@@ -71,7 +71,7 @@ class EngineConfig:
     seconds counts as Redis being down, and the engine carries on without the tier until it
     is back. `kv_events_config` (vLLM's option; a dict or its JSON text is accepted) publishes
     the engine's block stored / removed / cleared events for a prefix-aware router
-    (`kvpool.engine.kv_events_config`).
+    (`kvpool.engine.observability.events_config`).
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct; a path or a Hub id

@@ -1,7 +1,7 @@
 """The engine: requests in, one batched step at a time, outputs out.
 
 A request's life: `add_request` hands it to the request intake
-(`kvpool.engine.request_intake`: tokenized, validated, prepared and its prompt's full blocks
+(`kvpool.engine.requests.intake`: tokenized, validated, prepared and its prompt's full blocks
 hashed, once, at the edge) and queues its first sequence; steps prefill it (blocks from the
 free list, cached prefix blocks shared), then decode it one token per step (a new block only
 when the last is full); when it finishes every block goes back.
@@ -43,24 +43,24 @@ from collections.abc import Callable, Iterator
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine_stats import EngineStats, PhaseClock, StepStats
-from kvpool.engine.kv_event_publisher import KVEventLog, start_kv_events
 from kvpool.engine.kv_manager import KVCacheManager
-from kvpool.engine.kv_recorder import KVRecorder
-from kvpool.engine.kv_snapshot import take_kv_snapshot
-from kvpool.engine.output_processor import OutputProcessor
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.observability.publisher import KVEventLog, start_kv_events
+from kvpool.engine.observability.recorder import KVRecorder
+from kvpool.engine.observability.snapshot import take_kv_snapshot
 from kvpool.engine.preemption import PreemptionPolicy
-from kvpool.engine.request_intake import PromptInput, RequestIntake
+from kvpool.engine.requests.intake import PromptInput, RequestIntake
+from kvpool.engine.requests.output_processor import OutputProcessor
+from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.sampling import Sampler, SamplerOutput, sampling_rows
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request
 from kvpool.engine.setup import EngineParts, build_engine_parts, make_runner
 from kvpool.engine.warmup import warm_up
-from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.formats.kv_snapshot import KVSnapshot
+from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
-from kvpool.memory.pool_snapshot import KVSnapshot
 from kvpool.memory.tiers.kv_tiers import KVTiers, KVTierStats
 from kvpool.model.flops import prefill_flops
 
@@ -316,7 +316,7 @@ class LLMEngine:
 
     def kv_snapshot(self) -> KVSnapshot:
         """Every block, every block table and the derived figures, as of now (between steps:
-        the async engine takes it on its own thread); `kvpool.engine.kv_snapshot`."""
+        the async engine takes it on its own thread); `kvpool.engine.observability.snapshot`."""
         self._set_pool_clocks(time.monotonic())
         return take_kv_snapshot(self.kv_memory, self.requests.values(),
                                 self.scheduler.kv.swapped_host_blocks,

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
-from kvpool.engine.prompt_logprobs import pending_positions
+from kvpool.engine.requests.prompt_logprobs import pending_positions
 from kvpool.engine.sequence import Sequence
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError

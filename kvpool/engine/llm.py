@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from kvpool.engine.engine import LLMEngine, PromptInput
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.engine.vllm_compat import engine_config
-from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.memory.block_pool import BlockPoolStats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -17,7 +17,8 @@ One step's batch, formed by `schedule()`:
    its other n - 1 sequences are forked from it once its prompt is computed.
 
 Each chunk also names the positions whose logits the step must return for prompt logprobs
-(`kvpool.engine.prompt_logprobs.chunk_positions`: the request's pending ones among the chunk's).
+(`kvpool.engine.requests.prompt_logprobs.chunk_positions`: the request's pending ones among
+the chunk's).
 
 After the model ran and the sampler chose tokens, `update()` does the rest of the step:
 mark what was computed (prompt logprob positions too), fork the n - 1 siblings of each prompt
@@ -44,9 +45,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvpool.engine.kv_manager import KVCacheManager
-from kvpool.engine.outputs import Logprob
 from kvpool.engine.preemption import HYSTERESIS_STEPS, RECOMPUTE
-from kvpool.engine.prompt_logprobs import chunk_positions
+from kvpool.engine.requests.outputs import Logprob
+from kvpool.engine.requests.prompt_logprobs import chunk_positions
 from kvpool.engine.sampling.sampler import SamplerOutput
 from kvpool.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus

@@ -23,7 +23,7 @@ class ScheduledChunk:
     prompt's prefill is unfinished, 1 when the chunk reaches the sequence's last token, n when
     that completes the prompt of a request still to fork (one row per future sibling).
     `prompt_logprob_positions`: the chunk's positions whose logits give prompt logprobs (see
-    `kvpool.engine.prompt_logprobs`); empty for most chunks.
+    `kvpool.engine.requests.prompt_logprobs`); empty for most chunks.
     """
 
     seq: Sequence

@@ -38,7 +38,7 @@ from kvpool.memory.prefix_cache import BlockHash, SaltKey
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.engine.grammar import GrammarMatcher
+    from kvpool.engine.sampling.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):

@@ -2,7 +2,7 @@
 of strings, or a grammar (vLLM's `StructuredOutputsParams`, same names and meanings).
 
 Exactly one kind is given. The spec is only a description: compiling it into a grammar and
-keeping per-sequence matcher state is `kvpool.engine.grammar`'s job. `key` is the spec in a
+keeping per-sequence matcher state is `kvpool.engine.sampling.grammar`'s job. `key` is the spec in a
 canonical, hashable form, so equal schemas share one compiled grammar however their JSON was
 spelled (whitespace, a dict or its text). A schema's key order is kept: it is the order the
 object's properties are generated in, so it is part of what the schema asks for.

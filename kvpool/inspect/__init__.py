@@ -7,6 +7,6 @@
     palette.py    the block-state colours every view uses (the dashboard's too)
     client.py     fetching a snapshot or an explanation from a running server
 
-The data these read is the engine's: `kvpool.memory.pool_snapshot` (snapshots) and
-`kvpool.engine.kv_trace` (traces). The command is `kvpool inspect` (`kvpool.cli.inspect`).
+The data these read is the engine's: `kvpool.formats.kv_snapshot` (snapshots) and
+`kvpool.formats.kv_trace` (traces). The command is `kvpool inspect` (`kvpool.cli.inspect`).
 """

@@ -38,9 +38,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool.memory.pool_snapshot import KVSnapshot
+from kvpool.formats.kv_snapshot import KVSnapshot
+from kvpool.formats.snapshot_runs import short_hash
 from kvpool.memory.prefix_cache import BlockHash, PrefixCache, hash_full_blocks, salt_key
-from kvpool.memory.snapshot_runs import short_hash
 from kvpool.memory.tiers.kv_tiers import TIERS  # the walk's order: device, host, disk, shared
 
 if TYPE_CHECKING:

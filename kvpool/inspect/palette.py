@@ -3,7 +3,7 @@
 The PNG pool map (`kvpool.inspect.pool_map`) reads it here, and the server injects it into the
 dashboard page (`kvpool.server.kv_routes`: `{"states": BLOCK_COLOURS, "shared":
 SHARED_MARKER_COLOUR}`), so the two draw states alike from this one definition. Keys are the
-block states of `kvpool.memory.pool_snapshot`, in `BLOCK_STATES` order (legends follow it).
+block states of `kvpool.formats.kv_snapshot`, in `BLOCK_STATES` order (legends follow it).
 A shared block (ref_count > 1) is a used block with a mark on top, not a state of its own.
 """
 

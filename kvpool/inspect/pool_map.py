@@ -23,8 +23,8 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from kvpool.formats.kv_snapshot import BLOCK_STATES, USED, KVSnapshot, PoolView
 from kvpool.inspect.palette import BACKGROUND_COLOUR, BLOCK_COLOURS, SHARED_MARKER_COLOUR
-from kvpool.memory.pool_snapshot import BLOCK_STATES, USED, KVSnapshot, PoolView
 
 SMALL_POOL_COLUMNS = 64
 _DPI = 100

@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
-from kvpool.memory.pool_snapshot import (
+from kvpool.formats.kv_snapshot import (
     BLOCK_STATES,
     CACHED,
     OFFLINE,

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.engine.kv_trace import EVENT_KINDS, KVTrace
+from kvpool.formats.kv_trace import EVENT_KINDS, KVTrace
 from kvpool.inspect.palette import BLOCK_COLOURS
 
 MAX_POINTS = 2000

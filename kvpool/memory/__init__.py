@@ -1,8 +1,7 @@
 """The memory core: KV layout, block pool, block tables, prefix cache (pure Python), KV tensors
 and the KV-memory façade the engine holds."""
 
-from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool
-from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolStats
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout

@@ -30,8 +30,7 @@ import torch
 
 from kvpool.memory.arena import Arena
 from kvpool.memory.arena_free_list import align_up
-from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool
-from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
 from kvpool.memory.kv_cache import KVCache

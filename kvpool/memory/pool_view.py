@@ -14,8 +14,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.pool_snapshot import (
+from kvpool.formats.kv_snapshot import (
     BLOCK_STATES,
     CACHED,
     FREE,
@@ -24,7 +23,8 @@ from kvpool.memory.pool_snapshot import (
     BlockRun,
     PoolView,
 )
-from kvpool.memory.snapshot_runs import SHORT_HASH_BYTES, ShortHashes
+from kvpool.formats.snapshot_runs import SHORT_HASH_BYTES, ShortHashes
+from kvpool.memory.block_pool import BlockPool
 
 _STATE_CODE = {state: code for code, state in enumerate(BLOCK_STATES)}
 _AGE_DECIMALS = 3  # ages are rounded to milliseconds, so blocks touched together form one run

@@ -33,6 +33,8 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import kvpool
+from kvpool.openai.errors import OpenAIError, install_error_handlers
+from kvpool.openai.middleware import AuthMiddleware, BodyLimitMiddleware
 from kvpool.router.config import RouterConfig
 from kvpool.router.health import HealthChecker
 from kvpool.router.metrics import RouterMetrics
@@ -40,8 +42,6 @@ from kvpool.router.proxy import Proxy
 from kvpool.router.replica_events import subscribe
 from kvpool.router.replicas import ReplicaSet
 from kvpool.router.state import RouterState
-from kvpool.server.errors import OpenAIError, install_error_handlers
-from kvpool.server.middleware import AuthMiddleware, BodyLimitMiddleware
 
 KEEPALIVE_SECONDS = 2.0  # below uvicorn's 5 s keep-alive (module docstring)
 

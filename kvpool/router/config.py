@@ -1,6 +1,6 @@
 """`RouterConfig`: everything `kvpool router` needs, validated once.
 
-Keys are the server's (`kvpool.server.auth`, checked by the server's own middleware with the
+Keys are the server's (`kvpool.openai.auth`, checked by the server's own middleware with the
 same `AccessPolicy`): the same `--api-key` / `--api-key-file` give the same tenants, so the
 router derives the cache salt a replica will derive for the same key.
 `replica_admin_key` is the replicas' `--admin-api-key`, sent only on the two KV-event calls
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpool.openai.auth import ADMIN_TENANT
+from kvpool.openai.middleware import AccessPolicy
 from kvpool.router.policy import POLICIES
-from kvpool.server.auth import ADMIN_TENANT
 from kvpool.server.config import ServerConfig
-from kvpool.server.middleware import AccessPolicy
 
 # The server's own default, so that nothing a default replica takes is refused here.
 DEFAULT_MAX_REQUEST_BYTES = ServerConfig().max_request_bytes

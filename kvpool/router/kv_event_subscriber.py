@@ -32,7 +32,7 @@ import httpx
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool.engine.kv_events import EventSnapshot, decode_message
+from kvpool.formats.kv_events import EventSnapshot, decode_message
 from kvpool.router.prefix_index import PrefixIndex
 
 __all__ = ["EventSnapshot", "EventSource", "KVEventSubscriber", "SubscriberStats",

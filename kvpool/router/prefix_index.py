@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvpool.engine.kv_events import DEVICE, AllBlocksCleared, BlockStored, KVEventBatch
+from kvpool.formats.kv_events import DEVICE, AllBlocksCleared, BlockStored, KVEventBatch
 
 
 class PrefixIndex:

@@ -2,8 +2,8 @@
 
 The token ids come from the server's own functions, so they are the replica's ids: the
 body is parsed with the server's request models; a completion's first prompt is tokenized by
-`kvpool.server.inputs.tokenize_prompt` (a batch of prompts runs on one replica, routed by its
-first), a chat's conversation rendered and tokenized by `kvpool.server.chat_inputs.chat_prompt`
+`kvpool.openai.prompts.tokenize_prompt` (a batch of prompts runs on one replica, routed by its
+first), a chat's conversation rendered and tokenized by `kvpool.openai.prompts.chat_prompt`
 (chat template, tools and all). The salt is `derive_cache_salt(tenant, cache_salt)`, the
 tenant the one the server's middleware gives the same key, so the hashes are the replica's
 `hash_full_blocks` chain.
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.memory.prefix_cache import BlockHash, hash_full_blocks, salt_key
-from kvpool.server.auth import derive_cache_salt
-from kvpool.server.chat_inputs import chat_prompt
-from kvpool.server.inputs import prompt_list, tokenize_prompt
-from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpool.openai.auth import derive_cache_salt
+from kvpool.openai.prompts import chat_prompt, prompt_list, tokenize_prompt
+from kvpool.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 

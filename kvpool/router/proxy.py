@@ -35,10 +35,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from kvpool.openai.errors import OpenAIError
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import Choice
 from kvpool.router.replicas import Replica, ReplicaSet
-from kvpool.server.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 

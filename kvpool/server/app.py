@@ -19,13 +19,13 @@ from fastapi import FastAPI
 
 import kvpool
 from kvpool.engine.async_engine import AsyncLLMEngine
+from kvpool.openai.errors import install_error_handlers
+from kvpool.openai.middleware import AccessPolicy, AuthMiddleware, BodyLimitMiddleware
 from kvpool.server.config import ServerConfig
-from kvpool.server.errors import install_error_handlers
 from kvpool.server.generation import ServerState
 from kvpool.server.kv_event_routes import router as kv_event_router
 from kvpool.server.kv_routes import router as kv_router
 from kvpool.server.metrics import ServerMetrics
-from kvpool.server.middleware import AccessPolicy, AuthMiddleware, BodyLimitMiddleware
 from kvpool.server.routes import router
 from kvpool.server.utility_routes import router as utility_router
 

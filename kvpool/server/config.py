@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool.server.auth import ADMIN_TENANT, ApiKeyTable
+from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -71,7 +71,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.max_logprobs < 0 or self.shutdown_grace_seconds < 0:
             raise ValueError("max_logprobs and shutdown_grace_seconds must be >= 0")
-        from kvpool.server.tools import tool_parser_names
+        from kvpool.openai.tools import tool_parser_names
 
         if self.tool_call_parser not in tool_parser_names():
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: "

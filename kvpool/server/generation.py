@@ -30,9 +30,9 @@ from starlette.requests import Request
 
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineClosedError, RequestStream
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.requests.outputs import RequestOutput
+from kvpool.openai.errors import OpenAIError, bad_request, truncate
 from kvpool.server.config import ServerConfig
-from kvpool.server.errors import OpenAIError, bad_request, truncate
 from kvpool.server.inputs import EngineInputs
 from kvpool.server.metrics import ServerMetrics
 

@@ -1,10 +1,10 @@
 """From an OpenAI request body to engine inputs: token ids and `SamplingParams` per prompt.
 
-Every check that can fail on user input lives here (and in `chat_inputs.py`,
-`structured.py`, `unsupported.py`, `tools/choice.py`) and raises `OpenAIError` 400 with the
-parameter named: empty or too many prompts, a prompt that fills the context, `max_tokens`
-beyond the context, `n`/`logprobs`/stop limits, fields kvpool does not honour, constraints
-the grammar compiler refuses, and the range checks of `SamplingParams` (its
+Every check that can fail on user input lives here (and in `chat_inputs.py`, `unsupported.py`,
+and `kvpool/openai/`'s `prompts.py`, `structured.py`, `tools/choice.py`) and raises
+`OpenAIError` 400 with the parameter named: empty or too many prompts, a prompt that fills the
+context, `max_tokens` beyond the context, `n`/`logprobs`/stop limits, fields kvpool does not
+honour, constraints the grammar compiler refuses, and the range checks of `SamplingParams` (its
 `InvalidRequestError`: the message as it is, the field from its `param`). No message
 includes the client's value; numbers the server computed (context lengths, token counts)
 are fine.
@@ -29,29 +29,18 @@ from typing import Any
 
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvpool.openai.errors import bad_request
+from kvpool.openai.prompts import EnginePrompt, prompt_list, tokenize_prompt
+from kvpool.openai.protocol import CompletionRequest, SamplingFields
+from kvpool.openai.structured import compile_constraint, request_constraint
+from kvpool.openai.tools.choice import ToolPlan
+from kvpool.openai.tools.parser import ToolParser
 from kvpool.server.config import ServerConfig
-from kvpool.server.errors import bad_request
-from kvpool.server.protocol import CompletionRequest, SamplingFields
-from kvpool.server.structured import compile_constraint, request_constraint
-from kvpool.server.tools.choice import ToolPlan
-from kvpool.server.tools.parser import ToolParser
 from kvpool.server.unsupported import check_supported
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty")
-
-
-@dataclass(frozen=True, slots=True)
-class EnginePrompt:
-    """One prompt as the engine takes it (text kept for the response, ids to run)."""
-
-    text: str | None
-    token_ids: list[int]
-    first_token_text: str | None = None  # echo with logprobs: position 0 has no logprob
-
-    def as_engine_input(self) -> dict[str, Any]:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,17 +101,6 @@ def engine_defaults(engine: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ prompts
-def prompt_list(request: CompletionRequest) -> list[str | list[int]]:
-    """`prompt` as a list of prompts (it is one text, one list of token ids, or a list of
-    either); unchecked (the router reads it too, and leaves the checks to the replica)."""
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
-
-
 def _checked_prompt_list(request: CompletionRequest, config: ServerConfig
                          ) -> list[str | list[int]]:
     prompts = prompt_list(request)
@@ -131,18 +109,6 @@ def _checked_prompt_list(request: CompletionRequest, config: ServerConfig
     if len(prompts) > config.max_prompts:
         raise bad_request(f"at most {config.max_prompts} prompts per request", "prompt")
     return prompts
-
-
-def tokenize_prompt(prompt: str | list[int], tokenizer: Any, add_special_tokens: bool
-                    ) -> EnginePrompt:
-    if not isinstance(prompt, str):
-        return EnginePrompt(None, prompt)
-    if tokenizer is None:
-        raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
-    try:
-        return EnginePrompt(prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-    except (ValueError, TypeError) as error:  # e.g. a lone surrogate, not encodable
-        raise bad_request("prompt: the text could not be tokenized", "prompt") from error
 
 
 def _echo_prompt(prompt: EnginePrompt, tokenizer: Any, needs_first_token: bool) -> EnginePrompt:

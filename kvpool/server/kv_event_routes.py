@@ -26,10 +26,10 @@ from fastapi import APIRouter, Request, Response
 
 from kvpool.engine.async_engine import EngineClosedError
 from kvpool.engine.engine import LLMEngine
-from kvpool.engine.kv_events import EventSnapshot
-from kvpool.server.errors import OpenAIError
+from kvpool.formats.kv_events import EventSnapshot
+from kvpool.openai.errors import OpenAIError
+from kvpool.openai.protocol import ErrorResponse
 from kvpool.server.generation import ServerState
-from kvpool.server.protocol import ErrorResponse
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (401, 403, 404, 503)

@@ -30,14 +30,14 @@ from pydantic import Field
 
 from kvpool.engine.async_engine import EngineClosedError
 from kvpool.engine.errors import InvalidRequestError
+from kvpool.formats.kv_snapshot import KVSnapshot
+from kvpool.formats.snapshot_runs import SHORT_HASH_BYTES
 from kvpool.inspect.explain import explain_prompt
 from kvpool.inspect.palette import BACKGROUND_COLOUR, BLOCK_COLOURS, SHARED_MARKER_COLOUR
-from kvpool.memory.pool_snapshot import KVSnapshot
-from kvpool.memory.snapshot_runs import SHORT_HASH_BYTES
-from kvpool.server.auth import derive_cache_salt, tenant_of_salt
-from kvpool.server.errors import OpenAIError, bad_request
+from kvpool.openai.auth import derive_cache_salt, tenant_of_salt
+from kvpool.openai.errors import OpenAIError, bad_request
+from kvpool.openai.protocol import ErrorResponse, RequestModel, TokenId
 from kvpool.server.generation import ServerState
-from kvpool.server.protocol import ErrorResponse, RequestModel, TokenId
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 503)
@@ -62,7 +62,7 @@ def _state(request: Request) -> ServerState:
 @router.get("/v1/kv/snapshot", responses=_ERRORS)
 async def kv_snapshot(request: Request) -> Response:
     """Every block, block table and derived figure at one instant (format
-    "kvpool.kv_snapshot", `kvpool.memory.pool_snapshot`), as this caller may see them."""
+    "kvpool.kv_snapshot", `kvpool.formats.kv_snapshot`), as this caller may see them."""
     engine = _state(request).engine
     try:
         snapshot = await engine.kv_snapshot()

@@ -43,8 +43,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineSnapshot
-from kvpool.engine.outputs import RequestOutput
-from kvpool.memory.block_pool_stats import BlockPoolStats
+from kvpool.engine.requests.outputs import RequestOutput
+from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.tiers.redis_tier import SharedTierStats
 from kvpool.server.request_metrics import RequestHistograms
 

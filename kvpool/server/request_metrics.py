@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvpool.engine.outputs import RequestMetrics, RequestOutput
+from kvpool.engine.requests.outputs import RequestMetrics, RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort")
 

@@ -16,9 +16,8 @@ first, else token id -> {logprob, rank, decoded_token}, -inf written as -9999.0 
 
 from __future__ import annotations
 
-from kvpool.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kvpool.server.inputs import EngineInputs, EnginePrompt
-from kvpool.server.protocol import (
+from kvpool.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpool.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -35,7 +34,8 @@ from kvpool.server.protocol import (
     TopLogprob,
     Usage,
 )
-from kvpool.server.tools.output import finish_reason, new_call_id
+from kvpool.openai.tools.output import finish_reason, new_call_id
+from kvpool.server.inputs import EngineInputs, EnginePrompt
 
 MIN_LOGPROB = -9999.0  # what vLLM writes for -inf
 

@@ -25,19 +25,19 @@ from starlette.background import BackgroundTask
 
 from kvpool.engine.async_engine import EngineClosedError, EngineError
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.outputs import RequestOutput
-from kvpool.server.auth import derive_cache_salt
-from kvpool.server.chat_inputs import chat_inputs
-from kvpool.server.errors import OpenAIError, bad_request
-from kvpool.server.generation import ClientDisconnected, Generation, ServerState
-from kvpool.server.inputs import EngineInputs, completion_inputs
-from kvpool.server.protocol import (
+from kvpool.engine.requests.outputs import RequestOutput
+from kvpool.openai.auth import derive_cache_salt
+from kvpool.openai.errors import OpenAIError, bad_request
+from kvpool.openai.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     ErrorResponse,
 )
+from kvpool.server.chat_inputs import chat_inputs
+from kvpool.server.generation import ClientDisconnected, Generation, ServerState
+from kvpool.server.inputs import EngineInputs, completion_inputs
 from kvpool.server.responses import chat_response, completion_response
 from kvpool.server.streams import SSE_DONE, ChatStreamer, CompletionStreamer
 

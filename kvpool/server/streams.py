@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from kvpool.engine.outputs import CompletionOutput, RequestOutput
-from kvpool.server.inputs import EngineInputs
-from kvpool.server.protocol import (
+from kvpool.engine.requests.outputs import CompletionOutput, RequestOutput
+from kvpool.openai.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
@@ -36,14 +35,15 @@ from kvpool.server.protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
 )
+from kvpool.openai.tools.output import finish_reason, new_call_id
+from kvpool.openai.tools.parser import ToolCallDelta, ToolCallStreamer
+from kvpool.server.inputs import EngineInputs
 from kvpool.server.responses import (
     chat_logprobs,
     completion_logprobs,
     echo_logprobs,
     usage,
 )
-from kvpool.server.tools.output import finish_reason, new_call_id
-from kvpool.server.tools.parser import ToolCallDelta, ToolCallStreamer
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -8,7 +8,7 @@ explicitly; any other value is refused before tokenizing. Fields that change not
 no one defines stay ignored, as vLLM ignores unknown fields.
 
 The request bodies keep unknown fields (`model_extra`), which is where these are read from:
-none of them is declared in `protocol.py`, so none of them can reach the engine.
+none of them is declared in `kvpool/openai/protocol.py`, so none of them can reach the engine.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.server.errors import bad_request
-from kvpool.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvpool.openai.errors import bad_request
+from kvpool.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 _VLLM_GUIDED = "was removed from vLLM; use structured_outputs (or response_format)"
 

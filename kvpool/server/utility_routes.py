@@ -23,10 +23,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 import kvpool
+from kvpool.openai.errors import bad_request
+from kvpool.openai.protocol import ChatMessage, ErrorResponse, RequestModel, TokenId
 from kvpool.server.config import DEFAULT_MODEL_NAME
-from kvpool.server.errors import bad_request
 from kvpool.server.generation import ServerState
-from kvpool.server.protocol import ChatMessage, ErrorResponse, RequestModel, TokenId
 from kvpool.server.routes import health
 
 _ERRORS: dict[int | str, dict[str, Any]] = {

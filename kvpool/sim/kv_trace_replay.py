@@ -2,7 +2,7 @@
 
 `kvpool simulate --trace kv --trace-file FILE` replays real traffic through every strategy
 ("what would block size 32 have done on my requests?"). From the trace (format:
-`kvpool.engine.kv_trace`) only the requests are taken, never the engine's decisions:
+`kvpool.formats.kv_trace`) only the requests are taken, never the engine's decisions:
 
     arrival      the "s" of the request's "arrive" event (engine steps, the simulator's clock;
                  where the numbers start again from 0, after a `reset_stats`, they continue
@@ -32,7 +32,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.engine.kv_trace import KVTrace, TraceHeader
+from kvpool.formats.kv_trace import KVTrace, TraceHeader
 from kvpool.sim.trace import Request
 
 

@@ -17,12 +17,12 @@ import pytest
 from kvpool.cli import main
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
-from kvpool.engine.kv_trace import TraceHeader
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
+from kvpool.formats.kv_snapshot import KVSnapshot
+from kvpool.formats.kv_trace import TraceHeader
 from kvpool.inspect import client
 from kvpool.inspect.explain import explain_from_snapshot
-from kvpool.memory.pool_snapshot import KVSnapshot
 
 PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the "
           "steps as his father had taught him, and lit the great lamp.")

@@ -14,7 +14,7 @@ import pytest
 
 from kvpool.cli import build_parser, main
 from kvpool.cli.serve import API_KEY_ENV_VARS, api_keys_from_args, server_config_from_args
-from kvpool.server.auth import METRICS_TENANT
+from kvpool.openai.auth import METRICS_TENANT
 
 
 def test_flags_build_the_server_config(tmp_path: Path) -> None:

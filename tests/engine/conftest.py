@@ -8,7 +8,7 @@ import pytest
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
 

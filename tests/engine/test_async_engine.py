@@ -13,7 +13,7 @@ import pytest
 
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
 from kvpool.engine.engine import LLMEngine
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
 from tests.engine.conftest import PROMPTS, run_all, token_ids
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.memory.pool_snapshot import KVSnapshot
+from kvpool.formats.kv_snapshot import KVSnapshot
 from kvpool.memory.prefix_cache import hash_full_blocks
 from kvpool.memory.tiers.disk_block_format import decode_block, encode_block
 from kvpool.memory.tiers.redis_tier import shared_key

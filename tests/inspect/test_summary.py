@@ -14,10 +14,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
-from kvpool.inspect.pool_map import draw_pool_map, grid_shape
-from kvpool.inspect.summary import format_summary, summary_json
-from kvpool.memory.block_pool_stats import BlockPoolStats
-from kvpool.memory.pool_snapshot import (
+from kvpool.formats.kv_snapshot import (
     CACHED,
     FREE,
     OFFLINE,
@@ -28,6 +25,9 @@ from kvpool.memory.pool_snapshot import (
     PoolView,
     SequenceView,
 )
+from kvpool.inspect.pool_map import draw_pool_map, grid_shape
+from kvpool.inspect.summary import format_summary, summary_json
+from kvpool.memory.block_pool import BlockPoolStats
 
 FORKED = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=3, ignore_eos=True)
 

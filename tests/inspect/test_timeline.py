@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.engine.kv_trace import KVTrace, TraceHeader, read_kv_trace
+from kvpool.formats.kv_trace import KVTrace, TraceHeader, read_kv_trace
 from kvpool.inspect.timeline import StepSeries, downsample, write_timeline
 
 HEADER = TraceHeader(time=0.0, block_size=16, num_blocks=100, bytes_per_block=36864,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from kvpool.formats.kv_snapshot import CACHED, FREE, OFFLINE, USED, PoolView
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.pool_snapshot import CACHED, FREE, OFFLINE, USED, PoolView
 from kvpool.memory.prefix_cache import hash_full_blocks
 from kvpool.memory.sequence_blocks import SequenceBlocks
 

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpool.engine.kv_event_publisher import ZmqEventPublisher
-from kvpool.engine.kv_events import BlockRemoved, BlockStored, EventSnapshot, KVEventBatch
-from kvpool.engine.kv_events_config import KVEventsConfig
+from kvpool.engine.observability.events_config import KVEventsConfig
+from kvpool.engine.observability.publisher import ZmqEventPublisher
+from kvpool.formats.kv_events import BlockRemoved, BlockStored, EventSnapshot, KVEventBatch
 from kvpool.router.kv_event_subscriber import EventSource, KVEventSubscriber, SubscriberStats
 from kvpool.router.prefix_index import PrefixIndex
 

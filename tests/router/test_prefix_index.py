@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvpool.formats.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvpool.router.prefix_index import PrefixIndex
 
 H = [bytes([i]) * 32 for i in range(8)]

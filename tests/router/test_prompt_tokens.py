@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvpool.openai.auth import DEFAULT_TENANT, ApiKeyTable
 from kvpool.router.prompt_tokens import CHAT_PATH, COMPLETIONS_PATH, UNMATCHED, prompt_key
-from kvpool.server.auth import DEFAULT_TENANT, ApiKeyTable
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL
 

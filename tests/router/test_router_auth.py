@@ -8,9 +8,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvpool.server.auth import ApiKeyTable
+from kvpool.openai.auth import ApiKeyTable
+from kvpool.openai.middleware import AccessPolicy
 from kvpool.server.config import ServerConfig
-from kvpool.server.middleware import AccessPolicy
 from tests.router.conftest import start_router, wait_for_blocks
 from tests.server.conftest import MODEL
 

@@ -1,4 +1,4 @@
-"""API keys, tenants and prefix-cache isolation: unit checks of `kvpool.server.auth`, then the
+"""API keys, tenants and prefix-cache isolation: unit checks of `kvpool.openai.auth`, then the
 real server: 401 without or with a wrong key (and no work done), /health and /ping open, one
 tenant never hitting another's cached prefix while a client salt only narrows sharing, and the
 keys `kvpool serve` takes from repeated `--api-key` flags or the environment."""
@@ -15,7 +15,7 @@ import pytest
 from kvpool.cli import build_parser
 from kvpool.cli.serve import server_config_from_args
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.server.auth import ApiKeyTable, derive_cache_salt, parse_key_file
+from kvpool.openai.auth import ApiKeyTable, derive_cache_salt, parse_key_file
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL
 

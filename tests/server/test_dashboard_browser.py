@@ -20,7 +20,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from kvpool.server.auth import ApiKeyTable
+from kvpool.openai.auth import ApiKeyTable
 from kvpool.server.config import ServerConfig
 from scripts.screenshots import headless_chromium, hover_block
 from tests.server.conftest import MODEL, RunningServer, slow_steps

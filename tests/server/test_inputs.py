@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
+from kvpool.openai.errors import MAX_MESSAGE_CHARS
 from kvpool.server.config import ServerConfig
-from kvpool.server.errors import MAX_MESSAGE_CHARS
 from tests.server.conftest import MODEL, RunningServer, serve
 
 MAX_MODEL_LEN = 64

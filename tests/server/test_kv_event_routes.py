@@ -10,15 +10,15 @@ from collections.abc import Callable
 
 import httpx
 
-from kvpool.engine.kv_events import KVEventLog
+from kvpool.engine.observability.event_log import KVEventLog
 from kvpool.memory.prefix_cache import hash_full_blocks, salt_key
+from kvpool.openai.auth import ApiKeyTable
 from kvpool.router.kv_event_subscriber import (
     KVEventSubscriber,
     fetch_event_snapshot,
     fetch_event_source,
 )
 from kvpool.router.prefix_index import PrefixIndex
-from kvpool.server.auth import ApiKeyTable
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, RunningServer
 

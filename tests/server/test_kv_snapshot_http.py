@@ -21,9 +21,9 @@ import pytest
 from kvpool.cli import build_parser
 from kvpool.cli.serve import server_config_from_args
 from kvpool.engine.async_engine import EngineClosedError
+from kvpool.formats.kv_snapshot import BLOCK_STATES, KVSnapshot
 from kvpool.inspect.palette import BLOCK_COLOURS
-from kvpool.memory.pool_snapshot import BLOCK_STATES, KVSnapshot
-from kvpool.server.auth import ADMIN_TENANT, ApiKeyTable, derive_cache_salt, tenant_of_salt
+from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable, derive_cache_salt, tenant_of_salt
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, RunningServer, serve, slow_steps
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvpool.server.auth import METRICS_TENANT, ApiKeyTable
+from kvpool.openai.auth import METRICS_TENANT, ApiKeyTable
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, scrape
 

@@ -14,12 +14,12 @@ import pytest
 
 from kvpool.cli import build_parser
 from kvpool.cli.serve import server_config_from_args
+from kvpool.openai.protocol import ChatCompletionRequest
+from kvpool.openai.tools import get_tool_parser
+from kvpool.openai.tools.choice import plan_tools
+from kvpool.openai.tools.parser import assemble
+from kvpool.openai.tools.prompt import conversation, template_takes_tools
 from kvpool.server.config import ServerConfig
-from kvpool.server.protocol import ChatCompletionRequest
-from kvpool.server.tools import get_tool_parser
-from kvpool.server.tools.choice import plan_tools
-from kvpool.server.tools.parser import assemble
-from kvpool.server.tools.prompt import conversation, template_takes_tools
 from tests.server.conftest import MODEL, serve
 
 WEATHER_PARAMETERS = {

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvpool.cli import main
-from kvpool.engine.kv_trace import KVTrace, TraceHeader, read_kv_trace
+from kvpool.formats.kv_trace import KVTrace, TraceHeader, read_kv_trace
 from kvpool.sim.kv_trace_replay import requests_from_kv_trace
 
 HEADER = TraceHeader(time=0.0, block_size=16, num_blocks=64, bytes_per_block=36864,

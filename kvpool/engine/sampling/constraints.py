@@ -9,7 +9,7 @@ grammar bitmask, which xgrammar fills in host memory and which is copied over on
 
 Grammar matchers advance here, on the sampling side, by the token chosen for their row
 (`advance_grammars`), so a matcher is always at its row's next token when the stop rules read
-it (`kvpool.engine.output_processor`: a rejected token or a terminated grammar stops the
+it (`kvpool.engine.requests.output_processor`: a rejected token or a terminated grammar stops the
 sequence). A step rolled back after the sampler ran leaves its matchers one token ahead; the
 next fill rewinds them to the tokens their sequence really has.
 """

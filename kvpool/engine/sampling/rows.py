@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 
 class TokenMask(Protocol):
-    """What the sampler needs of a grammar matcher (`kvpool.engine.grammar.GrammarMatcher`):
-    the sampler fills its row of the bitmask before choosing, and advances it by the chosen
-    token after."""
+    """What the sampler needs of a grammar matcher (`grammar.GrammarMatcher` here): the
+    sampler fills its row of the bitmask before choosing, and advances it by the chosen token
+    after."""
 
     def rewind_to(self, num_tokens: int) -> None:
         """Forget tokens accepted beyond the first `num_tokens` outputs (a step rolled back

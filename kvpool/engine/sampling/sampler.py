@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.engine.outputs import Logprob
+from kvpool.engine.requests.outputs import Logprob
 from kvpool.engine.sampling.constraints import (
     advance_grammars,
     apply_allowed_token_ids,

@@ -1,0 +1,84 @@
+"""`kv_events_config`: whether and where an engine publishes its KV events (vLLM's option).
+
+The same JSON object vLLM takes (`--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", "endpoint": "tcp://*:5557"}'`), with the fields kvpool honours:
+
+- `enable_kv_cache_events`: False (the default) publishes nothing and costs nothing;
+- `publisher`: "zmq" (a ZMQ PUB socket bound at `endpoint`) or "null" (events are collected
+  and numbered, so the snapshot endpoint still works, but sent nowhere);
+- `endpoint`: where the PUB socket binds, e.g. "tcp://*:5557"; a "*" host is reachable on
+  every interface, and consumers connect to it at the replica's own host;
+- `topic`: the first frame of every message (consumers subscribe by prefix);
+- `hwm`: the PUB socket's send high-water mark, in messages: past it ZMQ drops messages for
+  a slow subscriber, which then sees a gap in the sequence numbers and resyncs;
+- `max_queue_size`: batches waiting for the publisher thread; past it the oldest are dropped
+  (the gap tells the consumers, as above).
+
+vLLM's `replay_endpoint` and `buffer_steps` (a replay socket) must stay unset: a kvpool
+consumer that lost events resyncs from the replica's `GET /v1/kv/events/snapshot` instead.
+The wire format and the events are `kvpool.formats.kv_events`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+PUBLISHERS = ("zmq", "null")
+_VLLM_ONLY = {"replay_endpoint": None, "buffer_steps": 10_000}  # accepted at these values only
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config: enable_kv_cache_events must be true or false")
+        if self.publisher not in PUBLISHERS:
+            raise ValueError(f"kv_events_config: publisher must be one of {PUBLISHERS}, got "
+                             f"{self.publisher!r}")
+        if self.publisher == "zmq" and "://" not in self.endpoint:
+            raise ValueError(f"kv_events_config: endpoint must be a ZMQ address such as "
+                             f"tcp://*:5557, got {self.endpoint!r}")
+        for name in ("hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config: {name} must be an integer >= 1, got "
+                                 f"{value!r}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable_kv_cache_events
+
+    @classmethod
+    def from_value(cls, value: KVEventsConfig | dict[str, Any] | str | None
+                   ) -> KVEventsConfig | None:
+        """From a config object, a dict, or its JSON text (the CLI's); None stays None.
+        ValueError naming the field for anything kvpool cannot honour."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"kv_events_config is not JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        options = dict(value)
+        for name, allowed in _VLLM_ONLY.items():
+            if name in options and options.pop(name) != allowed:
+                raise ValueError(f"kv_events_config: {name} is not supported (a consumer that "
+                                 "lost events resyncs from GET /v1/kv/events/snapshot)")
+        known = {field.name for field in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown fields {unknown} (known: "
+                             f"{sorted(known)})")
+        return cls(**options)

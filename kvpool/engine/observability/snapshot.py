@@ -1,0 +1,87 @@
+"""`take_kv_snapshot(...)`: an engine's KV memory as one `KVSnapshot`, between steps.
+
+It reads the narrow parts it needs, never the engine: the KV memory, the unfinished requests,
+where swapped sequences' blocks are (the KV manager's), the step count and the pool's rates.
+
+Each pool is read by `kvpool.memory.pool_view.take_pool_view`. The holders of each block come
+from the sequences' block tables: every table of every unfinished request (waiting ones hold
+no device blocks; a swapped sequence's blocks are on the host, listed as its
+`host_block_ids`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from kvpool.engine.sequence import Request, Sequence, SequenceStatus
+from kvpool.formats.kv_snapshot import (
+    USED,
+    DerivedFigures,
+    KVSnapshot,
+    PoolView,
+    SequenceView,
+)
+from kvpool.formats.snapshot_runs import short_hash
+from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.kv_memory import KVMemory
+from kvpool.memory.pool_view import take_pool_view
+
+SwappedBlocks = Callable[[Sequence], list[int]]  # a sequence's host blocks while swapped out
+
+
+def take_kv_snapshot(memory: KVMemory, requests: Iterable[Request],
+                     swapped_host_blocks: SwappedBlocks, num_steps: int,
+                     rates: tuple[float, float, float]) -> KVSnapshot:
+    """The pools, the unfinished requests' sequences and the derived figures, after
+    `num_steps` steps; `rates`: the device pool's (alloc/s, free/s, window seconds)."""
+    pool = memory.pool
+    sequences = _sequence_views(requests, swapped_host_blocks)
+    tables = [seq.block_ids for seq in sequences]
+    pools = {"device": take_pool_view(pool, tables)}
+    host_tables = [seq.host_block_ids for seq in sequences]
+    lower = memory.tiers.tiers  # nearest first: a tier with a block pool is drawn as one
+    pools.update({tier.name: take_pool_view(tier.pool, host_tables)
+                  for tier in lower if tier.pool is not None})
+    summaries = {tier.name: tier.summary() for tier in lower if tier.pool is None}
+    stats = pool.stats()
+    return KVSnapshot(
+        time=time.time(), step=num_steps, pools=pools,
+        sequences=tuple(sequences), stats=stats,
+        derived=_derived(pools["device"], stats, rates),
+        disk=summaries.get("disk"), shared=summaries.get("shared"),
+        recent_evictions=tuple(short_hash(h) for h in pool.recent_evictions),
+    )
+
+
+def _sequence_views(requests: Iterable[Request],
+                    swapped_host_blocks: SwappedBlocks) -> list[SequenceView]:
+    running = SequenceStatus.RUNNING
+    views = []
+    for request in requests:
+        request_id, salt = request.request_id, request.cache_salt
+        for seq in request.sequences:
+            if seq.is_finished:
+                continue
+            swapped = swapped_host_blocks(seq)
+            status = "swapped" if swapped else "running" if seq.status is running else "waiting"
+            views.append(SequenceView(
+                request_id, seq.index, status, seq.num_tokens, seq.num_computed_tokens,
+                tuple(seq.block_table.block_ids), tuple(swapped), cache_salt=salt))
+    return views
+
+
+def _derived(device: PoolView, stats: BlockPoolStats,
+             rates: tuple[float, float, float]) -> DerivedFigures:
+    num_used = stats.num_used_blocks
+    num_shared = sum(run.count for run in device.runs if run.state == USED and run.ref_count > 1)
+    alloc_rate, free_rate, window = rates
+    return DerivedFigures(
+        internal_fragmentation=(stats.num_unfilled_slots / (num_used * stats.block_size)
+                                if num_used else 0.0),
+        free_list_size=stats.num_free_blocks,
+        alloc_rate=alloc_rate, free_rate=free_rate, rate_window_s=window,
+        cached_fraction=stats.num_cached_blocks / stats.num_blocks if stats.num_blocks else 0.0,
+        shared_fraction=num_shared / num_used if num_used else 0.0,
+        num_shared_blocks=num_shared,
+    )

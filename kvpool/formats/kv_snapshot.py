@@ -1,0 +1,283 @@
+"""The KV snapshot format: every block, every block table, and derived figures.
+
+The producers stay with their owners: `kvpool.memory.pool_view.take_pool_view` reads one
+`BlockPool`; `kvpool.engine.observability.snapshot` puts the device pool, the host tier's pool
+and every sequence's table together into a `KVSnapshot`, between two steps.
+Reading is vectorised (numpy over the pool's per-block lists), so a 100,000-block pool is
+photographed in tens of milliseconds (`kvpool bench snapshot`).
+
+Block states (`BlockRun.state`):
+
+    free      ref_count 0, no hash: on the free list
+    used      ref_count > 0: held by `holders`, the sequences whose tables list it
+    cached    ref_count 0, hashed: kept for prefix reuse; evicted LRU when nothing is free.
+              Cached is not leaked: it is free memory that still remembers a prefix.
+    offline   no memory behind the id: the null block, or a segment an elastic pool gave back
+    other     (a tenant's view only) used, but by another tenant's sequences
+
+Serialisation (`to_json`, `from_json`; format "kvpool.kv_snapshot", version 1). Blocks are runs
+of consecutive ids with equal (state, ref_count, filled slots, holders), not one object each:
+
+    {"format": "kvpool.kv_snapshot", "version": 1,
+     "time": unix seconds, "step": engine steps since start-up,
+     "pools": {"device": POOL, "host": POOL (only with a host tier)},
+     "disk": {"num_blocks": n, "num_bytes": b} or null,
+     "shared": {"is_up": 0 or 1, "num_stored_blocks": n, "num_loaded_blocks": n} or null,
+     "sequences": [{"request_id": "req-3", "index": 0, "status": "running",
+                    "num_tokens": 40, "num_computed_tokens": 40,
+                    "block_ids": [[7, 3]],            runs [first id, count], table order
+                    "host_block_ids": [],             a swapped sequence's host blocks
+                    "tenant": "acme"}, ...],          only when the server knows it
+     "stats": BlockPoolStats of the device pool, as a dict,
+     "derived": DerivedFigures as a dict,
+     "recent_evictions": ["1a2b3c4d", ...]}           short hashes, oldest first
+
+    POOL = {"block_size": 16, "num_blocks": online, "capacity_blocks": ids (null included),
+            "bytes_per_block": 36864, "kv_cache_dtype": "bfloat16",
+            "runs": [[first_id, count, state, ref_count, num_filled_slots, [holder, ...]], ...],
+            "hashes": [[first_id, "1a2b3c4d5e6f7a8b"], ...],   runs of consecutive hashed ids:
+                                                       their short hashes, concatenated
+            "ages": [[first_id, count, age_s], ...],   seconds since the block last changed
+                                                       hands (allocated, revived, released);
+                                                       null: not used since start-up
+            "lru": [block_id, ...]}                    cached blocks, next evicted first
+
+A holder is an index into "sequences". The runs cover ids 0 .. capacity_blocks - 1 in order.
+A short hash is `kvpool.formats.snapshot_runs.short_hash`: the first bytes of the block's
+chained hash, in hex.
+
+Invariants (the snapshot tests check them against the live pool): the state counts equal
+`BlockPoolStats`; a used block's ref_count equals its number of holders and each holder's table
+lists it; the runs cover every id exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from kvpool.formats.snapshot_runs import expand_hash_runs, expand_id_runs, hash_runs, id_runs
+from kvpool.memory.block_pool import BlockPoolStats
+
+SNAPSHOT_FORMAT = "kvpool.kv_snapshot"
+SNAPSHOT_VERSION = 1
+FREE, USED, CACHED, OFFLINE, OTHER = "free", "used", "cached", "offline", "other"
+BLOCK_STATES = (FREE, USED, CACHED, OFFLINE, OTHER)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """`count` consecutive block ids from `first_id` that look the same."""
+
+    first_id: int
+    count: int
+    state: str
+    ref_count: int
+    num_filled_slots: int
+    holders: tuple[int, ...] = ()  # indices into KVSnapshot.sequences
+
+    @property
+    def block_ids(self) -> range:
+        return range(self.first_id, self.first_id + self.count)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """One block, expanded from its run (`PoolView.blocks`)."""
+
+    block_id: int
+    state: str
+    ref_count: int
+    holders: tuple[int, ...]
+    short_hash: str | None
+    num_filled_slots: int
+    age_s: float | None  # None: offline, or not used since start-up
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """One block pool (device or host) as the snapshot saw it."""
+
+    block_size: int
+    num_blocks: int  # online
+    capacity_blocks: int  # ids, the null block included
+    bytes_per_block: int
+    kv_cache_dtype: str
+    runs: tuple[BlockRun, ...]
+    hashes: Mapping[int, str]  # block id -> short hash, every hashed block
+    ages: tuple[tuple[int, int, float | None], ...]  # (first_id, count, age_s), online ids
+    lru: tuple[int, ...]  # cached ids, next evicted first
+
+    def count(self, state: str) -> int:
+        """Blocks in `state`."""
+        return sum(run.count for run in self.runs if run.state == state)
+
+    def blocks(self) -> Iterator[BlockInfo]:
+        """Every id, ascending, expanded from the runs (O(capacity_blocks))."""
+        age_of: dict[int, float | None] = {}
+        for first_id, count, age in self.ages:
+            for block_id in range(first_id, first_id + count):
+                age_of[block_id] = age
+        for run in self.runs:
+            for block_id in run.block_ids:
+                yield BlockInfo(block_id, run.state, run.ref_count, run.holders,
+                                self.hashes.get(block_id), run.num_filled_slots,
+                                age_of.get(block_id))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size, "num_blocks": self.num_blocks,
+            "capacity_blocks": self.capacity_blocks, "bytes_per_block": self.bytes_per_block,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "runs": [[r.first_id, r.count, r.state, r.ref_count, r.num_filled_slots,
+                      list(r.holders)] for r in self.runs],
+            "hashes": hash_runs(self.hashes),
+            "ages": [list(age_run) for age_run in self.ages],
+            "lru": list(self.lru),
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> PoolView:
+        return cls(
+            block_size=int(doc["block_size"]), num_blocks=int(doc["num_blocks"]),
+            capacity_blocks=int(doc["capacity_blocks"]),
+            bytes_per_block=int(doc["bytes_per_block"]), kv_cache_dtype=str(doc["kv_cache_dtype"]),
+            runs=tuple(BlockRun(int(f), int(c), str(s), int(r), int(n), tuple(map(int, h)))
+                       for f, c, s, r, n, h in doc["runs"]),
+            hashes=expand_hash_runs(doc["hashes"]),
+            ages=tuple((int(f), int(c), None if a is None else float(a))
+                       for f, c, a in doc["ages"]),
+            lru=tuple(int(block_id) for block_id in doc["lru"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceView:
+    """One sequence (one completion of a request) and its block table."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    status: str  # "running", "waiting" (never admitted, or preempted by recompute), "swapped"
+    num_tokens: int
+    num_computed_tokens: int
+    block_ids: tuple[int, ...]  # its device block table, logical order
+    host_block_ids: tuple[int, ...] = ()  # a swapped sequence's host blocks
+    tenant: str | None = None  # set by the server (`with_tenants`); never by the engine
+    cache_salt: str | None = field(default=None, compare=False)  # in memory only, never saved
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "request_id": self.request_id, "index": self.index, "status": self.status,
+            "num_tokens": self.num_tokens, "num_computed_tokens": self.num_computed_tokens,
+            "block_ids": id_runs(self.block_ids), "host_block_ids": id_runs(self.host_block_ids),
+        }
+        if self.tenant is not None:
+            doc["tenant"] = self.tenant
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> SequenceView:
+        return cls(str(doc["request_id"]), int(doc["index"]), str(doc["status"]),
+                   int(doc["num_tokens"]), int(doc["num_computed_tokens"]),
+                   expand_id_runs(doc["block_ids"]), expand_id_runs(doc.get("host_block_ids", [])),
+                   doc.get("tenant"))
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedFigures:
+    """What an operator reads off the pool (device pool; fractions of its online blocks)."""
+
+    internal_fragmentation: float  # empty slots in used blocks / slots of used blocks
+    free_list_size: int  # blocks on the free list (fresh), not counting cached ones
+    alloc_rate: float  # blocks allocated per second over the last `rate_window_s`
+    free_rate: float  # blocks released per second over the same window
+    rate_window_s: float  # 0 when the engine has not stepped yet
+    cached_fraction: float  # cached blocks / online blocks
+    shared_fraction: float  # used blocks with ref_count > 1 / used blocks
+    num_shared_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """The whole KV picture at one instant between steps (module docstring)."""
+
+    time: float  # unix seconds
+    step: int
+    pools: dict[str, PoolView]  # "device", and "host" with a host tier
+    sequences: tuple[SequenceView, ...]
+    stats: BlockPoolStats  # the device pool's
+    derived: DerivedFigures
+    disk: dict[str, int] | None = None  # {"num_blocks", "num_bytes"} with a disk tier
+    shared: dict[str, int] | None = None  # the shared tier's counts (module docstring)
+    recent_evictions: tuple[str, ...] = ()  # short hashes the device evicted, oldest first
+    version: int = SNAPSHOT_VERSION
+
+    @property
+    def device(self) -> PoolView:
+        return self.pools["device"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": SNAPSHOT_FORMAT, "version": self.version, "time": self.time,
+            "step": self.step,
+            "pools": {name: view.to_json() for name, view in self.pools.items()},
+            "disk": self.disk,
+            "shared": self.shared,
+            "sequences": [seq.to_json() for seq in self.sequences],
+            "stats": asdict(self.stats),
+            "derived": asdict(self.derived),
+            "recent_evictions": list(self.recent_evictions),
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> KVSnapshot:
+        """ValueError for anything but a version-1 kvpool snapshot."""
+        if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"not a kvpool KV snapshot (expected format {SNAPSHOT_FORMAT!r})")
+        if doc.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"KV snapshot version {doc.get('version')!r} is not supported "
+                             f"(this kvpool reads version {SNAPSHOT_VERSION})")
+        try:
+            return cls(
+                time=float(doc["time"]), step=int(doc["step"]),
+                pools={name: PoolView.from_json(view) for name, view in doc["pools"].items()},
+                sequences=tuple(SequenceView.from_json(seq) for seq in doc["sequences"]),
+                stats=BlockPoolStats(**doc["stats"]),
+                derived=DerivedFigures(**doc["derived"]),
+                disk=doc.get("disk"),
+                shared=doc.get("shared"),
+                recent_evictions=tuple(doc.get("recent_evictions", ())),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed KV snapshot: {error!r}") from error
+
+    def with_tenants(self, tenant_of: Callable[[str | None], str | None]) -> KVSnapshot:
+        """The same snapshot with each sequence's `tenant` set from its cache salt."""
+        sequences = tuple(replace(seq, tenant=tenant_of(seq.cache_salt))
+                          for seq in self.sequences)
+        return replace(self, sequences=sequences)
+
+    def restricted_to(self, visible: Callable[[SequenceView], bool]) -> KVSnapshot:
+        """A viewer's snapshot: only `visible` sequences are listed; a used block none of them
+        holds becomes "other", with no holders and no hash. Counts and figures stay whole."""
+        keep = [index for index, seq in enumerate(self.sequences) if visible(seq)]
+        new_index = {old: new for new, old in enumerate(keep)}
+        pools = {name: _restrict_pool(view, new_index) for name, view in self.pools.items()}
+        sequences = tuple(self.sequences[index] for index in keep)
+        return replace(self, pools=pools, sequences=sequences)
+
+
+def _restrict_pool(view: PoolView, new_index: dict[int, int]) -> PoolView:
+    runs, hidden = [], []
+    for run in view.runs:
+        holders = tuple(new_index[h] for h in run.holders if h in new_index)
+        if run.state == USED and not holders:
+            runs.append(replace(run, state=OTHER, holders=()))
+            hidden.extend(run.block_ids)
+        else:
+            runs.append(replace(run, holders=holders))
+    hashes = dict(view.hashes)
+    for block_id in hidden:
+        hashes.pop(block_id, None)
+    return replace(view, runs=tuple(runs), hashes=hashes)
