@@ -111,7 +111,7 @@ class KVTiersMachine(RuleBasedStateMachine):
         if seq.num_uncomputed_tokens == 0:
             self.kv.append_output(seq, token)
         try:
-            copies = self.kv.append_slots(seq, seq.token_ids(seq.num_computed_tokens))
+            copies = self.kv.append_slots(seq, seq.num_uncomputed_tokens)
         except OutOfBlocksError:
             return
         self._compute(seq, copies)

@@ -31,6 +31,12 @@ class FakeTier(LowerTier):
         return lambda index, tokens: (StoredRef(self.name, block_hashes[index])
                                       if block_hashes[index] in self.held else None)
 
+    def stats(self):
+        return {"num_held": len(self.held)}
+
+    def check_invariants(self):
+        assert self.num_lookups >= 0
+
     def load_run(self, block_hashes, token_ids):
         blocks = []
         for block_hash in block_hashes:

@@ -14,6 +14,7 @@ and validates once the admission is known to fit.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,17 +42,18 @@ class StoredRef:
 BlockFinder = Callable[[int, Sequence[int]], "int | StoredRef | None"]
 
 
-class LowerTier:
-    """A tier below the device pool. Defaults suit a tier that is not written through and
-    keeps nothing to read (the host tier overrides the lookup; disk and shared the rest)."""
+class LowerTier(ABC):
+    """A tier below the device pool. Every tier implements the lookup, its statistics and its
+    invariants; the other defaults suit a tier that is not written through and keeps nothing
+    to read (the host tier; disk and shared override them)."""
 
     name: str
     pool: BlockPool | None = None  # a tier of KV blocks in memory (the host) has a block pool
 
+    @abstractmethod
     def start_lookup(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> BlockFinder:
         """A finder for one prefix lookup over `block_hashes[:num_blocks]`; nothing is read
         or taken."""
-        raise NotImplementedError
 
     def holds(self, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         """Whether the tier's own index holds this block (no I/O; a remote tier says False)."""
@@ -69,25 +71,31 @@ class LowerTier:
 
     def store(self, block_hash: BlockHash, token_ids: Sequence[int], kv: torch.Tensor,
               scales: torch.Tensor | None, ready: Any = None) -> None:
-        """Queue one full block for writing (only blocks `wanted` named are handed over)."""
-        raise NotImplementedError(f"the {self.name} tier is not written through")
+        """Queue one full block for writing (only blocks `wanted` named are handed over; a
+        tier that wants none is never handed one)."""
+        raise AssertionError(f"the {self.name} tier is not written through")
 
     def summary(self) -> dict[str, int]:
         """What a KV snapshot shows of a tier without a block pool."""
         return {}
 
+    @abstractmethod
     def stats(self) -> Any:
-        raise NotImplementedError
+        """The tier's counters and sizes (its own stats record)."""
 
     def flush(self) -> None:
         """Wait for the tier's queued writes (before its invariants are checked)."""
+        return None
 
     def close(self) -> None:
         """Finish the tier's writes (idempotent)."""
+        return None
 
     def reset(self) -> None:
         """Drop what the tier keeps for this process only (the host's spilled blocks; with no
         block used); a persistent tier (disk, Redis) keeps everything: surviving is its point."""
+        return None
 
+    @abstractmethod
     def check_invariants(self) -> None:
-        raise NotImplementedError
+        """Assert the tier's invariants (for tests)."""
