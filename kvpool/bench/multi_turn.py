@@ -88,9 +88,9 @@ class Turn:
 
 
 def tier_config(base: EngineConfig, tier: str, disk_dir: str) -> EngineConfig:
-    """`base` with the tiers `tier` names: the host tier keeps `base.swap_space`, the disk
+    """`base` with the tiers `tier` names: the host tier keeps `base.tiers.swap_space`, the disk
     tier lives in `disk_dir`."""
-    return replace(base, swap_space=base.swap_space if "host" in tier else 0.0,
+    return replace(base, swap_space=base.tiers.swap_space if "host" in tier else 0.0,
                    kv_disk_cache=disk_dir if "disk" in tier else None)
 
 
