@@ -90,12 +90,12 @@ def load_transformers_model(config: EngineConfig):
     from kvpool.model import default_model_path
     from kvpool.model.dtype import resolve_dtype
 
-    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-    if config.load_format == "dummy":
+    dtype = resolve_dtype(config.load.dtype, resolve_device(config.load.device))
+    if config.load.load_format == "dummy":
         from benchmarks.generation import load_dummy_hf_model
 
-        return load_dummy_hf_model(config.model, dtype, config.seed, config.device)
-    path = Path(config.model) if config.model else default_model_path()
+        return load_dummy_hf_model(config.load.model, dtype, config.load.seed, config.load.device)
+    path = Path(config.load.model) if config.load.model else default_model_path()
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     else:

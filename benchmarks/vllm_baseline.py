@@ -45,16 +45,16 @@ class VLLMBaseline:
     label: str = "vLLM"
 
     def check(self, config: EngineConfig) -> None:
-        if config.load_format == "dummy":
+        if config.load.load_format == "dummy":
             raise BaselineUnavailable("--baseline vllm needs real weights (a GGUF file or HF "
                                       "directory), not --load-format dummy")
         vllm_python(self.python)
-        hf_model_directory(config.model)
+        hf_model_directory(config.load.model)
 
     def run(self, config: EngineConfig, runs: Runs, kv_cache_bytes: int) -> dict:
-        plan = {"model": str(hf_model_directory(config.model)), "dtype": config.dtype,
-                "kv_cache_dtype": vllm_kv_cache_dtype(config.kv_cache_dtype),
-                "max_num_seqs": config.max_num_seqs, "seed": config.seed,
+        plan = {"model": str(hf_model_directory(config.load.model)), "dtype": config.load.dtype,
+                "kv_cache_dtype": vllm_kv_cache_dtype(config.cache.kv_cache_dtype),
+                "max_num_seqs": config.scheduling.max_num_seqs, "seed": config.load.seed,
                 "runs": [{"label": label, "requests": requests} for label, requests in runs],
                 "latency_prompt": runs[0][1][0][0], "latency_tokens": self.latency_tokens}
         return run_vllm(plan, vllm_kv_cache_gib(kv_cache_bytes), vllm_python(self.python))

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     workload = Workload(args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2,
                         seed=args.workload_seed)
     with tempfile.TemporaryDirectory(prefix="kvpool-kv-trace-") as scratch:
-        trace_path = Path(engine_config.kv_trace or Path(scratch) / "bench.kv-trace")
+        trace_path = Path(engine_config.observability.kv_trace or Path(scratch) / "bench.kv-trace")
         report = run_kv_trace(engine_config, workload, args.rounds, trace_path, args.warmup)
     print(json.dumps(report) if args.json else format_kv_trace(report))
     return 0 if report["same_tokens"] else 1

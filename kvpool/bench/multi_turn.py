@@ -88,9 +88,9 @@ class Turn:
 
 
 def tier_config(base: EngineConfig, tier: str, disk_dir: str) -> EngineConfig:
-    """`base` with the tiers `tier` names: the host tier keeps `base.swap_space`, the disk
+    """`base` with the tiers `tier` names: the host tier keeps `base.tiers.swap_space`, the disk
     tier lives in `disk_dir`."""
-    return replace(base, swap_space=base.swap_space if "host" in tier else 0.0,
+    return replace(base, swap_space=base.tiers.swap_space if "host" in tier else 0.0,
                    kv_disk_cache=disk_dir if "disk" in tier else None)
 
 
@@ -170,9 +170,9 @@ def run_tier(config: EngineConfig, loaded: LoadedModel, workload: Conversations,
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.setup import build_engine_parts
 
-    if config.kv_disk_cache is not None and label != RESTART:  # the others start empty
-        shutil.rmtree(config.kv_disk_cache, ignore_errors=True)
-        Path(config.kv_disk_cache).mkdir(parents=True)
+    if config.tiers.kv_disk_cache is not None and label != RESTART:  # the others start empty
+        shutil.rmtree(config.tiers.kv_disk_cache, ignore_errors=True)
+        Path(config.tiers.kv_disk_cache).mkdir(parents=True)
     engine = LLMEngine(config, build_engine_parts(config, loaded))
     _check_fits(engine, workload)
     start = time.perf_counter()
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
             args.system_prompt_len < 0):
         raise SystemExit("--num-conversations, --num-turns, --user-len and --output-len must "
                          "be at least 1, --system-prompt-len at least 0")
-    if engine_config.kv_disk_cache is not None:
+    if engine_config.tiers.kv_disk_cache is not None:
         raise SystemExit("each disk configuration gets its own empty disk tier: name its "
                          "directory with --kv-disk-dir, not --kv-disk-cache")
     tiers = list(dict.fromkeys(args.tiers))
@@ -264,10 +264,10 @@ def run(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         configs = {tier: config(tier, tier) for tier in tiers}
         warmup = config(tiers[0], "warm-up") if args.warmup_pass else None
         measured = run_tiers(configs, warmup, workload, not args.json)
-    report = {"workload": asdict(workload), "model": engine_config.model,
+    report = {"workload": asdict(workload), "model": engine_config.load.model,
               "warmup_pass": args.warmup_pass,
-              "kv_cache_memory": engine_config.kv_cache_memory,
-              "swap_space_gib": engine_config.swap_space, **measured}
+              "kv_cache_memory": engine_config.cache.kv_cache_memory,
+              "swap_space_gib": engine_config.tiers.swap_space, **measured}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=1))
     print(json.dumps(report) if args.json else format_report(report))

@@ -181,7 +181,7 @@ def run_measurement(engine_config: EngineConfig, tp_size: int, workload: Workloa
     token_ids = [run["token_ids"] for result in results.values() for run in result["runs"]]
     steps = [step for run in results[tp_size]["runs"] for step in run["steps"]]
     summary = summarize_steps(steps, model_config, tp_size, element_size,
-                              engine_config.tensor_parallel_overlap_chunks)
+                              engine_config.parallel.tensor_parallel_overlap_chunks)
     return {"tp_size": tp_size, "num_prompts": workload.num_prompts,
             "input_len": workload.input_len[0], "output_len": workload.output_len[0],
             "num_rounds": num_rounds, "dtype_bytes": element_size,
@@ -190,7 +190,7 @@ def run_measurement(engine_config: EngineConfig, tp_size: int, workload: Workloa
             "matches_expected": all(kind["matches_expected"] for kind in summary.values()),
             # Dummy weights are drawn per rank in the rank's shapes (kvpool.model.loaders.dummy):
             # tp = N runs other weights than tp = 1, so its tokens prove nothing.
-            "same_tokens": None if engine_config.load_format == "dummy"
+            "same_tokens": None if engine_config.load.load_format == "dummy"
             else all(ids == token_ids[0] for ids in token_ids)}
 
 
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace, engine_config: EngineConfig | None) -> int:
     if engine_config is not None:
         if min(args.num_prompts, args.input_len, args.output_len, args.rounds) < 1:
             raise SystemExit("--num-prompts, --input-len, --output-len and --rounds must be >= 1")
-        tp_size = engine_config.tensor_parallel_size
+        tp_size = engine_config.parallel.tensor_parallel_size
         workload = Workload(args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2,
                             seed=args.workload_seed)
         measured = run_measurement(engine_config, tp_size if tp_size > 1 else DEFAULT_TP_SIZE,

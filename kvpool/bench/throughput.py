@@ -162,16 +162,17 @@ def decode_latency(llm: LLM, prompt: list[int], num_tokens: int, pairs: int = 3)
 def run_dtype(args: argparse.Namespace, config: EngineConfig, workload: Workload,
               baselines: Sequence[Baseline] = ()) -> dict:
     """One dtype (and KV dtype and preemption mode): kvpool first, then each baseline."""
+    from kvpool.engine.engine import LLMEngine
     from kvpool.engine.llm import LLM
 
     start = time.perf_counter()
-    llm = LLM(**vars(config))
+    llm = LLM.from_engine(LLMEngine(config))
     load_s = time.perf_counter() - start
     dtype = str(llm.engine.dtype).removeprefix("torch.")
     config = replace(config, dtype=dtype)  # "auto" resolved: the baselines run the same
     runs = workload_runs(workload.requests(llm.engine.model_config.vocab_size), args.num_prompts)
-    result = {"dtype": dtype, "kv_cache_dtype": config.kv_cache_dtype,
-              "preemption_mode": config.preemption_mode,
+    result = {"dtype": dtype, "kv_cache_dtype": config.cache.kv_cache_dtype,
+              "preemption_mode": config.scheduling.preemption_mode,
               "kv_bytes_per_token": llm.engine.kv_memory.layout.bytes_per_token,
               "kvpool": {"load_s": load_s, **run_kvpool(llm, runs, args.latency_tokens,
                                                         not args.json)},
@@ -249,9 +250,9 @@ def _variant_configs(args: argparse.Namespace, engine_config: EngineConfig) -> l
     impossible one (swap without --swap-space) fails at once, with nothing measured lost."""
     return [replace(engine_config, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                     preemption_mode=mode)
-            for dtype in args.dtypes or [engine_config.dtype]
-            for kv_cache_dtype in args.kv_cache_dtypes or [engine_config.kv_cache_dtype]
-            for mode in args.preemption_modes or [engine_config.preemption_mode]]
+            for dtype in args.dtypes or [engine_config.load.dtype]
+            for kv_cache_dtype in args.kv_cache_dtypes or [engine_config.cache.kv_cache_dtype]
+            for mode in args.preemption_modes or [engine_config.scheduling.preemption_mode]]
 
 
 def run(args: argparse.Namespace, engine_config: EngineConfig,
@@ -286,15 +287,15 @@ def run(args: argparse.Namespace, engine_config: EngineConfig,
         "matmul_peak_gflops_per_s": {name: matmul_peak_flops(getattr(torch, name)) / 1e9
                                      for name in ("float32", "bfloat16")},
         "preemption_modes": args.preemption_modes,
-        "kv_cache_memory": engine_config.kv_cache_memory,
-        "num_gpu_blocks": engine_config.num_gpu_blocks,
-        "swap_space_gib": engine_config.swap_space,
+        "kv_cache_memory": engine_config.cache.kv_cache_memory,
+        "num_gpu_blocks": engine_config.cache.num_gpu_blocks,
+        "swap_space_gib": engine_config.tiers.swap_space,
         "dtypes": [],
     }
-    first_mode = configs[0].preemption_mode
+    first_mode = configs[0].scheduling.preemption_mode
     for config in configs:
         # Baselines preempt their own way: they run once, next to the first mode.
-        others = baselines if config.preemption_mode == first_mode else ()
+        others = baselines if config.scheduling.preemption_mode == first_mode else ()
         report["dtypes"].append(_without_token_ids(run_dtype(args, config, workload, others)))
     compare_preemption_modes(report["dtypes"])
     if args.output_json:

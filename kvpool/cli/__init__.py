@@ -69,6 +69,6 @@ def _run_torchrun_worker(args: argparse.Namespace) -> int:
     from kvpool.engine.parallel.worker import run_worker
 
     config = engine_config_from_args(args)
-    run_worker(config, torchrun_rendezvous(config.tensor_parallel_size,
-                                           config.distributed_timeout_seconds))
+    run_worker(config, torchrun_rendezvous(config.parallel.tensor_parallel_size,
+                                           config.parallel.distributed_timeout_seconds))
     return 0

@@ -28,14 +28,10 @@ from kvpool.bench import scale_out  # light at import: httpx and the standard li
 
 # Constants only: kvpool.bench.multi_turn imports nothing heavy at module level.
 from kvpool.bench.multi_turn import DEFAULT_KV_CACHE_MEMORY, DEFAULT_SWAP_SPACE_GIB, TIERS
-from kvpool.cli.args import (
-    DTYPE_CHOICES,
-    add_engine_args,
-    engine_config_from_args,
-    parse_size,
-)
+from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
 from kvpool.engine.config import PREEMPTION_MODES
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
+from kvpool.model.dtype import DTYPE_CHOICES
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig

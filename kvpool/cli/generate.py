@@ -23,12 +23,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpool.engine.engine import LLMEngine
     from kvpool.engine.llm import LLM
 
     prompts = _read_prompts(args.prompts)
     params = sampling_params_from_args(args)
     config = engine_config_from_args(args)
-    llm = LLM(**vars(config))
+    llm = LLM.from_engine(LLMEngine(config))
     if args.chat:
         conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
         outputs = llm.chat(conversations, params)

@@ -75,11 +75,11 @@ class LLMEngine:
         self.parts = parts = parts or build_engine_parts(config)
         self.runner = make_runner(parts)
         self.intake = RequestIntake(parts.tokenizer, parts.model_config, parts.max_model_len,
-                                    config.max_num_seqs, parts.kv_memory, parts.device)
+                                    config.scheduling.max_num_seqs, parts.kv_memory, parts.device)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
         self.scheduler = Scheduler(self._scheduler_config(), self._kv_manager(),
                                    stop_checker=self.outputs)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.load.seed)
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
         self.kv_recorder: KVRecorder | None = None  # --kv-trace: after the warm-up, not in it
@@ -92,30 +92,31 @@ class LLMEngine:
         self._close = weakref.finalize(self, _close_all, closers)
         self.reset_stats()
         self.warmup_seconds = (warm_up(self, parts, self.runner, self.scheduler.kv.policy)
-                               if config.enable_warmup else 0.0)
+                               if config.load.enable_warmup else 0.0)
         self._start_observers()
 
     def _scheduler_config(self) -> SchedulerConfig:
         config = self.config
         return SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.batched_tokens_limit(self.max_model_len),
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_seqs=config.scheduling.max_num_seqs,
+            max_num_batched_tokens=config.scheduling.batched_tokens_limit(self.max_model_len),
+            enable_chunked_prefill=config.scheduling.enable_chunked_prefill,
         )
 
     def _kv_manager(self) -> KVCacheManager:
         model_config = self.model_config
-        policy = PreemptionPolicy(self.config.preemption_mode,
+        policy = PreemptionPolicy(self.config.scheduling.preemption_mode,
                                   self.kv_memory.layout.bytes_per_block,
                                   lambda num_tokens: prefill_flops(model_config, num_tokens))
         return KVCacheManager(self.kv_memory, policy)
 
     def _start_observers(self) -> None:
         """The KV trace and the KV events, which hear only what follows the warm-up."""
-        if self.config.kv_trace is not None:
-            self.kv_recorder = KVRecorder.start(self.config.kv_trace, self.kv_memory)
+        if self.config.observability.kv_trace is not None:
+            self.kv_recorder = KVRecorder.start(self.config.observability.kv_trace, self.kv_memory)
             weakref.finalize(self, self.kv_recorder.close)
-        self.kv_events = start_kv_events(self.config.kv_events_config, self.kv_memory, self)
+        self.kv_events = start_kv_events(self.config.observability.kv_events_config,
+                                         self.kv_memory, self)
 
     # ------------------------------------------------------------ the model's parts
     @property

@@ -37,16 +37,16 @@ def load_engine_model(config: EngineConfig, tp: TensorParallel | None = None,
     """Load the configured model (weights, tokenizer) on the configured device (or
     `device`), in the configured dtype ("auto" decided for that device); with a parallel
     `tp`, only this rank's shard."""
-    device = device or resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    logger.info("loading the model in %s on %s (dtype=%r)", dtype, device, config.dtype)
+    device = device or resolve_device(config.load.device)
+    dtype = resolve_dtype(config.load.dtype, device)
+    logger.info("loading the model in %s on %s (dtype=%r)", dtype, device, config.load.dtype)
     shard = {"tp": tp} if tp is not None and tp.is_parallel else {}
     return load_model(
-        config.model,
-        load_format=config.load_format,
+        config.load.model,
+        load_format=config.load.load_format,
         dtype=dtype,
         device=device,
-        attention_backend=get_attention_backend(config.attention_backend, device),
-        seed=config.seed,
+        attention_backend=get_attention_backend(config.load.attention_backend, device),
+        seed=config.load.seed,
         **shard,
     )

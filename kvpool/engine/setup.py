@@ -9,10 +9,10 @@ Sizing rule, first match wins:
 4. on the CPU: 2 GiB.
 
 The model's sampling defaults are decided here too: the sampling fields of its generation
-config (`config.generation_config`, "auto" by default, and `override_generation_config`; see
+config (`config.load.generation_config`, "auto" by default, and `override_generation_config`; see
 `kvpool.engine.generation_config`), checked once as `SamplingParams`.
 
-The model's dtype is decided here, once: `config.dtype` ("auto" by default) becomes a torch
+The model's dtype is decided here, once: `config.load.dtype` ("auto" by default) becomes a torch
 dtype for the device (`kvpool.model.dtype.resolve_dtype`); the KV cache takes the model's,
 unless `kv_cache_dtype` names another (int8 and fp8 add a scale pool: `kvpool.memory.kv_quant`).
 The KV layout (`KVLayout`: block size, shape, dtype, bytes per block) is decided here, once,
@@ -43,7 +43,13 @@ from typing import Any
 
 import torch
 
-from kvpool.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from kvpool.engine.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    TierConfig,
+)
 from kvpool.engine.generation_config import default_sampling_params
 from kvpool.engine.model_loading import load_engine_model, resolve_device
 from kvpool.engine.model_runner import ModelRunner
@@ -86,11 +92,11 @@ class EngineParts:
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     """Everything an engine runs on; pass `loaded` to reuse a model already in memory (its
-    dtype is the engine's: `config.dtype` "auto" takes it, an explicit one must match it).
+    dtype is the engine's: `config.load.dtype` "auto" takes it, an explicit one must match it).
     With tensor_parallel_size > 1 the workers start too (and `loaded` must be None)."""
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         return _build_parallel_parts(config, loaded)
-    device = resolve_device(config.device)
+    device = resolve_device(config.load.device)
     return _assemble_parts(config, loaded or load_engine_model(config), device,
                            TensorParallel.single())
 
@@ -100,9 +106,10 @@ def _build_parallel_parts(config: EngineConfig, loaded: LoadedModel | None) -> E
     if loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads the model itself, one shard per "
                          "rank: it cannot take a model loaded beforehand")
-    check_shapes(make_loader(config.model, config.load_format, config.seed).load_config(),
-                 config.tensor_parallel_size)
-    device = rank_device(resolve_device(config.device), 0)
+    load = config.load
+    check_shapes(make_loader(load.model, load.load_format, load.seed).load_config(),
+                 config.parallel.tensor_parallel_size)
+    device = rank_device(resolve_device(config.load.device), 0)
     workers = WorkerGroup.start(config, device)
     try:
         parts = _assemble_parts(config, load_engine_model(config, workers.tp, device), device,
@@ -121,13 +128,14 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     cache holds only this rank's KV heads)."""
     dtype = _model_dtype(config, loaded, device)
     model_config = loaded.config
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    max_model_len = config.load.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's limit "
             f"{model_config.max_position_embeddings}"
         )
-    layout = model_config.kv_layout(config.block_size, dtype, config.kv_cache_dtype)
+    cache = config.cache
+    layout = model_config.kv_layout(cache.block_size, dtype, cache.kv_cache_dtype)
     layout = dataclasses.replace(layout,
                                  num_kv_heads=tp.num_local_kv_heads(model_config.num_kv_heads))
     namespace = kv_namespace(config, layout, dtype)
@@ -135,22 +143,22 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         layout,
         kv_num_blocks(config, layout, device),
         device,
-        enable_prefix_caching=config.enable_prefix_caching,
-        watermark=config.watermark,
-        elastic=_elastic_config(config),
-        host_num_bytes=int(config.swap_space * 2**30),
-        disk=_disk_tier(config, layout, namespace),
-        shared=_shared_tier(config, layout, namespace),
+        enable_prefix_caching=cache.enable_prefix_caching,
+        watermark=cache.watermark,
+        elastic=_elastic_config(cache),
+        host_num_bytes=int(config.tiers.swap_space * 2**30),
+        disk=_disk_tier(config.tiers, layout, namespace),
+        shared=_shared_tier(config.tiers, layout, namespace),
     )
     return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
-                       max_model_len, kv_memory, _sampling_defaults(config, loaded))
+                       max_model_len, kv_memory, _sampling_defaults(config.load, loaded))
 
 
-def _sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> dict[str, Any]:
+def _sampling_defaults(load: LoadConfig, loaded: LoadedModel) -> dict[str, Any]:
     """The model's request defaults (see the module docstring), checked as SamplingParams so
     a bad generation config fails at start-up rather than in every request."""
-    defaults = default_sampling_params(config.generation_config, loaded.generation_config,
-                                       config.override_generation_config)
+    defaults = default_sampling_params(load.generation_config, loaded.generation_config,
+                                       load.override_generation_config)
     try:
         SamplingParams(**defaults)
     except (ValueError, TypeError) as error:
@@ -158,7 +166,7 @@ def _sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> dict[str, A
                          f"({error}); pass generation_config='vllm' to ignore them") from None
     if defaults:
         logger.info("requests default to the generation config's %s (generation_config=%r)",
-                    defaults, config.generation_config)
+                    defaults, load.generation_config)
     return defaults
 
 
@@ -167,48 +175,50 @@ def kv_namespace(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> 
     path, a Hub id to its snapshot), its load format and weights (a dummy load's seed), dtype,
     and the KV layout (block size, KV dtype, shape). The disk and shared tiers keep blocks
     under it, so KV computed by other weights, dtypes or shapes is never found."""
-    model = config.model or "bundled:SmolLM2-135M-Instruct"
-    if config.model is not None and os.path.exists(resolve_model_path(model)):
+    load = config.load
+    model = load.model or "bundled:SmolLM2-135M-Instruct"
+    if load.model is not None and os.path.exists(resolve_model_path(model)):
         model = os.path.realpath(resolve_model_path(model))  # a Hub id: its snapshot
     return "|".join([
-        f"model={model}", f"load_format={config.load_format}", f"dtype={dtype}",
-        f"seed={config.seed}" if config.load_format == "dummy" else "weights",
+        f"model={model}", f"load_format={load.load_format}", f"dtype={dtype}",
+        f"seed={load.seed}" if load.load_format == "dummy" else "weights",
         f"block_size={layout.block_size}", f"kv={layout.dtype}",
         f"shape={layout.block_shape}",
     ])
 
 
-def _disk_tier(config: EngineConfig, layout: KVLayout, namespace: str) -> DiskKVTier | None:
-    """The disk tier `config.kv_disk_cache` names, in this engine's namespace."""
-    if config.kv_disk_cache is None:
+def _disk_tier(tiers: TierConfig, layout: KVLayout, namespace: str) -> DiskKVTier | None:
+    """The disk tier `tiers.kv_disk_cache` names, in this engine's namespace."""
+    if tiers.kv_disk_cache is None:
         return None
-    return DiskKVTier(config.kv_disk_cache, config.kv_disk_cache_size, layout, namespace)
+    return DiskKVTier(tiers.kv_disk_cache, tiers.kv_disk_cache_size, layout, namespace)
 
 
-def _shared_tier(config: EngineConfig, layout: KVLayout, namespace: str) -> RedisKVTier | None:
-    """The shared tier in the Redis `config.kv_shared_redis` names, in this engine's
+def _shared_tier(tiers: TierConfig, layout: KVLayout, namespace: str) -> RedisKVTier | None:
+    """The shared tier in the Redis `tiers.kv_shared_redis` names, in this engine's
     namespace: replicas of the same model and layout share its blocks."""
-    if config.kv_shared_redis is None:
+    if tiers.kv_shared_redis is None:
         return None
-    return RedisKVTier(config.kv_shared_redis, layout, namespace,
-                       timeout=config.kv_shared_redis_timeout)
+    return RedisKVTier(tiers.kv_shared_redis, layout, namespace,
+                       timeout=tiers.kv_shared_redis_timeout)
 
 
 def _model_dtype(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> torch.dtype:
-    """The loaded model's dtype, checked against an explicit `config.dtype`."""
+    """The loaded model's dtype, checked against an explicit `config.load.dtype`."""
     dtype = loaded.model.dtype
-    if config.dtype != AUTO and resolve_dtype(config.dtype, device) != dtype:
-        raise ValueError(f"dtype={config.dtype!r} was asked for, but the model given is {dtype}")
+    asked = config.load.dtype
+    if asked != AUTO and resolve_dtype(asked, device) != dtype:
+        raise ValueError(f"dtype={asked!r} was asked for, but the model given is {dtype}")
     return dtype
 
 
-def _elastic_config(config: EngineConfig) -> ElasticPoolConfig | None:
-    if config.kv_pool == "static":
+def _elastic_config(cache: CacheConfig) -> ElasticPoolConfig | None:
+    if cache.kv_pool == "static":
         return None
     options = {
-        "segment_blocks": config.kv_pool_segment_blocks,
-        "initial_blocks": config.kv_pool_initial_blocks,
-        "idle_seconds": config.kv_pool_idle_seconds,
+        "segment_blocks": cache.kv_pool_segment_blocks,
+        "initial_blocks": cache.kv_pool_initial_blocks,
+        "idle_seconds": cache.kv_pool_idle_seconds,
     }
     given = {name: value for name, value in options.items() if value is not None}
     return ElasticPoolConfig(**given)
@@ -217,18 +227,19 @@ def _elastic_config(config: EngineConfig) -> ElasticPoolConfig | None:
 def kv_num_blocks(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
     """How many usable KV blocks the configured budget holds (see the module docstring); a
     memory budget also pays for the null block."""
-    if config.num_gpu_blocks is not None:
-        return config.num_gpu_blocks
-    if config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
+    cache = config.cache
+    if cache.num_gpu_blocks is not None:
+        return cache.num_gpu_blocks
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
     elif device.type == "cuda":
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         used_bytes = total_bytes - free_bytes
-        budget = int(config.gpu_memory_utilization * total_bytes) - used_bytes
+        budget = int(cache.gpu_memory_utilization * total_bytes) - used_bytes
         budget -= ACTIVATION_RESERVE_BYTES
         if budget < 2 * layout.bytes_per_block:
             raise ValueError(
-                f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no room for KV "
+                f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no room for KV "
                 f"cache: {used_bytes / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB is in use"
             )
     else:

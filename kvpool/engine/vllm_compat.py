@@ -7,7 +7,7 @@ which kvpool behaves as vLLM does with them (`neutral`; None: every value, for a
 only tune machinery kvpool does not have, such as CUDA graphs), why, and what kvpool supports
 instead. `engine_options` sorts a call's keywords:
 
-- an `EngineConfig` field passes through;
+- an `EngineConfig` option (a section's field, by its flat name) passes through;
 - a vLLM name for an option kvpool has under another name is renamed (`RENAMED`);
 - a listed argument at a neutral value is dropped, with ONE warning naming all of them;
 - a listed argument at another value is a ValueError saying what kvpool supports;
@@ -27,7 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import OPTION_SECTIONS, SECTIONS, EngineConfig
+from kvpool.engine.config.options import flag_of
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +163,11 @@ VLLM_ARGS: tuple[VLLMArg, ...] = (
 )
 VLLM_ARG_BY_NAME = {arg.name: arg for arg in VLLM_ARGS}
 # vLLM's name -> kvpool's, for options kvpool has under another name.
-RENAMED = {"kv_cache_memory_bytes": "kv_cache_memory", "num_gpu_blocks_override": "num_gpu_blocks"}
-ENGINE_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(EngineConfig))
+# The long aliases of the engine's flags (`--num-gpu-blocks-override`) are those names.
+RENAMED = {alias.removeprefix("--").replace("-", "_"): field.name
+           for cls in SECTIONS.values() for field in dataclasses.fields(cls)
+           for alias in flag_of(field).aliases if alias.startswith("--")}
+ENGINE_CONFIG_FIELDS = frozenset(OPTION_SECTIONS)  # EngineConfig's flat option names
 
 
 def engine_config(model: str | None, options: Mapping[str, Any]) -> EngineConfig:

@@ -111,7 +111,7 @@ def _state(request: Request) -> ServerState:
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    root = state.engine.engine.config.model or DEFAULT_MODEL_NAME
+    root = state.engine.engine.config.load.model or DEFAULT_MODEL_NAME
     cards = [
         ModelCard(id=name, created=state.created, root=root,
                   max_model_len=state.engine.max_model_len, permission=[ModelPermission()])

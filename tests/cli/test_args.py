@@ -24,9 +24,10 @@ def test_kv_pool_flags_reach_the_config():
                               "--kv-pool-segment-blocks", "32", "--kv-pool-idle-seconds", "2.5",
                               "--no-enable-warmup"])
     config = engine_config_from_args(args)
-    assert (config.kv_pool, config.kv_pool_initial_blocks, config.kv_pool_segment_blocks,
-            config.kv_pool_idle_seconds, config.enable_warmup) == ("elastic", 0, 32, 2.5, False)
-    assert engine_config_from_args(parser.parse_args([])).kv_pool == "static"
+    cache = config.cache
+    assert (cache.kv_pool, cache.kv_pool_initial_blocks, cache.kv_pool_segment_blocks,
+            cache.kv_pool_idle_seconds, config.load.enable_warmup) == ("elastic", 0, 32, 2.5, False)
+    assert engine_config_from_args(parser.parse_args([])).cache.kv_pool == "static"
 
 
 def test_kv_tier_flags_reach_the_config(tmp_path):
@@ -35,10 +36,11 @@ def test_kv_tier_flags_reach_the_config(tmp_path):
     args = parser.parse_args(["--swap-space", "1.5", "--preemption-mode", "swap",
                               "--kv-disk-cache", str(tmp_path), "--kv-disk-cache-size", "2GiB"])
     config = engine_config_from_args(args)
-    assert (config.swap_space, config.preemption_mode) == (1.5, "swap")
-    assert (config.kv_disk_cache, config.kv_disk_cache_size) == (str(tmp_path), 2 << 30)
+    assert (config.tiers.swap_space, config.scheduling.preemption_mode) == (1.5, "swap")
+    assert (config.tiers.kv_disk_cache, config.tiers.kv_disk_cache_size) == (str(tmp_path), 2 << 30)
     defaults = engine_config_from_args(parser.parse_args([]))
-    assert (defaults.swap_space, defaults.preemption_mode, defaults.kv_disk_cache) == (
+    assert (defaults.tiers.swap_space, defaults.scheduling.preemption_mode,
+            defaults.tiers.kv_disk_cache) == (
         0.0, "auto", None)
 
 
@@ -48,8 +50,9 @@ def test_engine_flags_have_vllm_names_and_the_model_can_be_positional():
     args = parser.parse_args(["m.gguf", "--kv-cache-memory", "512MiB", "--max-num-seqs", "8",
                               "--no-enable-prefix-caching", "--block-size", "32"])
     config = engine_config_from_args(args)
-    assert (config.model, config.kv_cache_memory, config.max_num_seqs) == ("m.gguf", 512 << 20, 8)
-    assert (config.enable_prefix_caching, config.block_size) == (False, 32)
+    assert (config.load.model, config.cache.kv_cache_memory,
+            config.scheduling.max_num_seqs) == ("m.gguf", 512 << 20, 8)
+    assert (config.cache.enable_prefix_caching, config.cache.block_size) == (False, 32)
 
 
 def test_kv_cache_dtype_flag_takes_vllms_names_and_refuses_others(capsys):
@@ -57,8 +60,8 @@ def test_kv_cache_dtype_flag_takes_vllms_names_and_refuses_others(capsys):
     add_engine_args(parser)
     for name in ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
         assert engine_config_from_args(
-            parser.parse_args(["--kv-cache-dtype", name])).kv_cache_dtype == name
-    assert engine_config_from_args(parser.parse_args([])).kv_cache_dtype == "auto"
+            parser.parse_args(["--kv-cache-dtype", name])).cache.kv_cache_dtype == name
+    assert engine_config_from_args(parser.parse_args([])).cache.kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
@@ -93,7 +96,7 @@ def test_dtype_auto_reaches_the_config_from_every_engine_command():
 
     for command in (["serve"], ["generate", "hi"], ["chat"]):
         args = build_parser().parse_args([*command, "--dtype", "auto"])
-        assert engine_config_from_args(args).dtype == "auto"
+        assert engine_config_from_args(args).load.dtype == "auto"
 
 
 def test_vllm_flags_at_neutral_values_are_accepted_with_one_warning(caplog):
@@ -106,7 +109,7 @@ def test_vllm_flags_at_neutral_values_are_accepted_with_one_warning(caplog):
         "--compilation-config", '{"level": 3}'])
     with caplog.at_level(logging.WARNING, logger="kvpool.engine.vllm_compat"):
         config = engine_config_from_args(args)
-    assert config.model == "org/model"
+    assert config.load.model == "org/model"
     [warning] = [r.getMessage() for r in caplog.records if r.name == "kvpool.engine.vllm_compat"]
     assert "pipeline_parallel_size=1" in warning and "enable_lora=False" in warning
     caplog.clear()
@@ -135,11 +138,12 @@ def test_vllm_names_of_kvpool_flags_and_generation_config_flags():
                               "12", "--generation-config", "vllm",
                               "--override-generation-config", '{"temperature": 0.5}'])
     config = engine_config_from_args(args)
-    assert (config.kv_cache_memory, config.num_gpu_blocks) == (256 << 20, 12)
-    assert config.generation_config == "vllm"
-    assert config.override_generation_config == {"temperature": 0.5}
+    assert (config.cache.kv_cache_memory, config.cache.num_gpu_blocks) == (256 << 20, 12)
+    assert config.load.generation_config == "vllm"
+    assert config.load.override_generation_config == {"temperature": 0.5}
     defaults = engine_config_from_args(parser.parse_args([]))
-    assert (defaults.generation_config, defaults.override_generation_config) == ("auto", None)
+    assert (defaults.load.generation_config,
+            defaults.load.override_generation_config) == ("auto", None)
 
 
 def test_override_generation_config_must_be_a_json_object(capsys):

@@ -67,7 +67,8 @@ def test_vllm_arguments_at_neutral_values_are_ignored_with_one_warning(tiny_dir,
 def test_vllm_names_of_kvpool_options_are_renamed(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", enable_warmup=False,
               kv_cache_memory_bytes=2 << 20, num_gpu_blocks_override=9)
-    assert (llm.engine.config.kv_cache_memory, llm.engine.config.num_gpu_blocks) == (2 << 20, 9)
+    cache = llm.engine.config.cache
+    assert (cache.kv_cache_memory, cache.num_gpu_blocks) == (2 << 20, 9)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes is vLLM's name for "
                                          "kv_cache_memory: give one of them"):
         LLM(str(tiny_dir), kv_cache_memory_bytes=1 << 20, kv_cache_memory=1 << 20)
@@ -119,7 +120,7 @@ def test_the_compat_table_holds_only_arguments_kvpool_lacks():
 
 # ------------------------------------------------------------- dtype, prompts, tokenizer
 def test_dtype_auto_is_accepted(tiny_dir):
-    assert EngineConfig(dtype="auto").dtype == "auto"
+    assert EngineConfig(dtype="auto").load.dtype == "auto"
     llm = LLM(str(tiny_dir), dtype="auto", kv_cache_memory=4 << 20, enable_warmup=False)
     assert str(llm.engine.dtype) in ("torch.bfloat16", "torch.float32")
 

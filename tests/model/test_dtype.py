@@ -83,17 +83,17 @@ def test_unknown_dtypes_are_refused_with_the_allowed_names(bad) -> None:
 
 
 def test_the_config_defaults_to_auto_and_normalises_names() -> None:
-    assert EngineConfig().dtype == "auto"
-    assert EngineConfig(dtype="bf16").dtype == "bfloat16"
-    assert EngineConfig(dtype="half").dtype == "float16"
-    assert EngineConfig(dtype=torch.float32).dtype == "float32"
+    assert EngineConfig().load.dtype == "auto"
+    assert EngineConfig(dtype="bf16").load.dtype == "bfloat16"
+    assert EngineConfig(dtype="half").load.dtype == "float16"
+    assert EngineConfig(dtype=torch.float32).load.dtype == "float32"
 
 
 def test_the_dtype_flag_defaults_to_auto_and_takes_vllm_names(capsys) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).dtype == "auto"
-    assert engine_config_from_args(parser.parse_args(["--dtype", "half"])).dtype == "float16"
+    assert engine_config_from_args(parser.parse_args([])).load.dtype == "auto"
+    assert engine_config_from_args(parser.parse_args(["--dtype", "half"])).load.dtype == "float16"
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "float64"])
     assert "invalid choice: 'float64'" in capsys.readouterr().err
@@ -109,7 +109,7 @@ def test_the_engine_resolves_auto_once_for_model_and_kv_cache(
     config = EngineConfig(model="tiny", load_format="dummy", num_gpu_blocks=8,
                           attention_backend="torch", enable_warmup=False)
     engine = LLMEngine(config)
-    assert config.dtype == "auto"
+    assert config.load.dtype == "auto"
     assert engine.dtype == engine.runner.model.dtype == expected
     assert engine.kv_memory.kv_cache.tensor.dtype == expected
 

@@ -73,7 +73,8 @@ class WorkerGroup:
     def start(cls, config: EngineConfig, device: torch.device) -> WorkerGroup:
         """Start (or, under torchrun, join) the workers; returns once every rank has joined,
         rank 0's device set. Bounded by `distributed_timeout_seconds`."""
-        size, timeout = config.tensor_parallel_size, config.distributed_timeout_seconds
+        size, timeout = (config.parallel.tensor_parallel_size,
+                         config.parallel.distributed_timeout_seconds)
         if dist.is_initialized():  # before spawning anything
             raise ValueError("this process already belongs to a torch.distributed group: one "
                              "tensor-parallel engine per process (close the other first)")
@@ -94,7 +95,7 @@ class WorkerGroup:
         group = cls(TensorParallel(), None, processes, num_threads, timeout)
         try:
             group.tp, group.control = join(rendezvous, rank_device(device, 0),
-                                           config.tensor_parallel_overlap_chunks)
+                                           config.parallel.tensor_parallel_overlap_chunks)
         except BaseException:
             group.close()
             raise

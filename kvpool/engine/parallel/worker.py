@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     """A worker process's whole life (the spawn target, and torchrun's ranks > 0)."""
     split_threads(rendezvous.size)
-    device = rank_device(resolve_device(config.device), rendezvous.rank)
-    tp, control = join(rendezvous, device, config.tensor_parallel_overlap_chunks)
+    device = rank_device(resolve_device(config.load.device), rendezvous.rank)
+    tp, control = join(rendezvous, device, config.parallel.tensor_parallel_overlap_chunks)
     try:
         loaded = load_engine_model(config, tp, device)
         spec: KVSpec | None = receive(control)

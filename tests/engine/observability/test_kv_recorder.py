@@ -182,9 +182,12 @@ def test_the_kv_trace_flag_and_option_reach_the_config(tmp_path):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     path = str(tmp_path / "run.trace")
-    assert engine_config_from_args(parser.parse_args(["--kv-trace", path])).kv_trace == path
-    assert engine_config_from_args(parser.parse_args([])).kv_trace is None
-    assert engine_config(None, {"kv_trace": path}).kv_trace == path  # LLM(kv_trace=...)
+    def kv_trace(config: EngineConfig) -> str | None:
+        return config.observability.kv_trace
+
+    assert kv_trace(engine_config_from_args(parser.parse_args(["--kv-trace", path]))) == path
+    assert kv_trace(engine_config_from_args(parser.parse_args([]))) is None
+    assert kv_trace(engine_config(None, {"kv_trace": path})) == path  # LLM(kv_trace=...)
     with pytest.raises(ValueError, match=r"--kv-trace.*does not exist"):
         EngineConfig(kv_trace=str(tmp_path / "missing" / "run.trace"))
     with pytest.raises(ValueError, match=r"--kv-trace.*must name a file"):
