@@ -66,14 +66,16 @@ class SequenceBlocks:
         """Slots for `token_ids` (`BlockTable.append_slots`: all or nothing); with `computed`
         the full blocks are published at once, else only at `mark_computed`."""
         copies = self.table.append_slots(len(token_ids))
-        self.token_ids.extend(token_ids)
-        size, hashes = self.block_size, self.block_hashes
-        num_hashed = len(hashes) * size
-        if len(self.token_ids) - num_hashed >= size:
+        tokens, hashes = self.token_ids, self.block_hashes
+        tokens.extend(token_ids)
+        size = self.table.block_size
+        num_full = len(tokens) // size
+        if num_full > len(hashes):  # a block filled up: hash it (the common decode append
+            num_hashed = len(hashes) * size  # fills none, and pays two comparisons)
             parent = hashes[-1] if hashes else None
-            hashes.extend(hash_full_blocks(self.token_ids[num_hashed:], size, self.salt, parent))
-        if computed:
-            self.mark_computed(len(self.token_ids))
+            hashes.extend(hash_full_blocks(tokens[num_hashed:], size, self.salt, parent))
+        if computed and num_full > self.table.num_published_blocks:
+            self.mark_computed(len(tokens))
         return copies
 
     def mark_computed(self, num_computed_tokens: int) -> None:
