@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.kernels.cpu_kernels import cpu_kernels_available
-from kvpool.kernels.dtypes import is_kernel_float
+from kvpool.kernels.dtypes import FLOAT_DTYPES
 
 
 @functools.cache
@@ -35,8 +35,9 @@ def _kernels_loaded() -> bool:
 
 
 def is_served(*tensors: torch.Tensor) -> bool:
-    """Whether the C++ kernels take these tensors (CPU, a float dtype they know)."""
-    return (all(t.device.type == "cpu" for t in tensors) and is_kernel_float(*tensors)
+    """Whether the C++ kernels take these tensors (CPU, a float dtype they know). One pass:
+    it runs about 180 times a decode step (SmolLM2), ahead of every fused op."""
+    return (all(t.device.type == "cpu" and t.dtype in FLOAT_DTYPES for t in tensors)
             and _kernels_loaded())
 
 
