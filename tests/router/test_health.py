@@ -16,7 +16,6 @@ from tests.server.conftest import MODEL
 PROMPT = list(range(200, 250))  # 3 full blocks of 16
 
 
-
 def run_directly(base_url: str) -> None:
     response = httpx.post(f"{base_url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
@@ -43,8 +42,11 @@ def test_a_failed_replica_is_taken_out_and_brought_back_resynced(make_replica, f
             assert "failed health checks" in status["error"]
             assert router.metrics()[f"kvpool_router_replica_healthy{{replica={url}}}"] == 0
             client = router.client()
-            for _ in range(2):
-                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+            # Its KV events reach the router asynchronously: the second request must find
+            # them in the index (otherwise it races them and is routed by load again).
+            wait_for_blocks(router, other.base_url, 3)
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
             metrics = router.metrics()
             assert metrics[f"kvpool_router_requests_total{{reason=load,replica="
                            f"{other.base_url}}}"] == 1
