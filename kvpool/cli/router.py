@@ -76,6 +76,9 @@ def _add_key_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replica-admin-key", default=None,
                        help="the replicas' --admin-api-key, to read their KV events "
                             f"(default: ${REPLICA_ADMIN_KEY_ENV_VAR})")
+    group.add_argument("--kv-events-curve-secret-key-file", default=None, metavar="FILE",
+                       help="the router's ZMQ CURVE key pair, for replicas whose KV event "
+                            "socket requires CURVE (their curve_client_keys list its public key)")
 
 
 def _add_timing_args(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +112,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     admin_key = args.replica_admin_key or os.environ.get(REPLICA_ADMIN_KEY_ENV_VAR) or None
     return RouterConfig(
         replicas=tuple(url.rstrip("/") for url in args.replica), policy=args.policy,
-        access=access, replica_admin_key=admin_key, model=args.model,
+        access=access, replica_admin_key=admin_key,
+        kv_events_curve_secret_key_file=args.kv_events_curve_secret_key_file,
+        model=args.model,
         chat_template=load_chat_template(args.chat_template), **given)
 
 

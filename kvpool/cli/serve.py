@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
 
 if TYPE_CHECKING:
+    from kvpool.engine.config import EngineConfig
     from kvpool.server.config import ServerConfig
 
 DEFAULT_PORT = 8000
@@ -145,6 +146,15 @@ def api_keys_from_args(args: argparse.Namespace) -> list[str]:
     return []
 
 
+def check_kv_events_exposure(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """ValueError when the KV event socket would publish every tenant's blocks on every
+    interface of a server with keys (`KVEventsConfig.check_exposure`)."""
+    events = engine_config.observability.kv_events_config
+    if events is not None:
+        events.check_exposure(server_config.api_keys.is_enabled
+                              or server_config.admin_api_keys.is_enabled)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -156,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
+        check_kv_events_exposure(engine_config, server_config)
     except (ValueError, OSError) as error:
         print(f"kvpool serve: {error}", file=sys.stderr)
         return 2

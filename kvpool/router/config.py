@@ -6,6 +6,8 @@ router derives the cache salt a replica will derive for the same key.
 `replica_admin_key` is the replicas' `--admin-api-key`, sent only on the two KV-event calls
 (`GET /v1/kv/events` and its snapshot), never on a client's request: a client's own
 `Authorization` header is what the replica sees on every forwarded request.
+`kv_events_curve_secret_key_file` is the router's CURVE key pair, for replicas whose KV event
+socket requires CURVE (`kvpool.formats.kv_events_curve`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class RouterConfig:
     max_load_imbalance: int = 4
     access: AccessPolicy = field(default_factory=AccessPolicy)  # open: no keys
     replica_admin_key: str | None = None
+    kv_events_curve_secret_key_file: str | None = None
     health_check_interval: float = 5.0
     health_check_timeout: float = 2.0
     num_failures_to_remove: int = 2
