@@ -61,6 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              "sees every tenant's requests in the KV snapshot and dashboard; may repeat",
     )
     group.add_argument(
+        "--cache-salt-secret-file", default=None, metavar="FILE",
+        help="the secret tenants' cache salts are keyed with (default: "
+             "$KVPOOL_CACHE_SALT_SECRET, else a file generated once in the --kv-disk-cache "
+             "directory or ~/.cache/kvpool); give replicas and routers sharing blocks the same",
+    )
+    group.add_argument(
         "--allow-unauthenticated-metrics", action="store_true",
         help="serve /metrics without a key even when the other routes need one",
     )
@@ -100,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
+    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable, TenantSalts
     from kvpool.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -119,6 +125,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        tenant_salts=TenantSalts.resolve(args.cache_salt_secret_file, args.kv_disk_cache),
     )
 
 

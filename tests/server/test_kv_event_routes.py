@@ -12,7 +12,7 @@ import httpx
 
 from kvpool.engine.observability.event_log import KVEventLog
 from kvpool.memory.prefix_cache import hash_full_blocks, salt_key
-from kvpool.openai.auth import ApiKeyTable
+from kvpool.openai.auth import ApiKeyTable, TenantSalts
 from kvpool.router.kv_event_subscriber import (
     KVEventSubscriber,
     fetch_event_snapshot,
@@ -25,6 +25,7 @@ from tests.server.conftest import MODEL, RunningServer
 EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://*:*", "topic": "kv"}
 ADMIN = {"Authorization": "Bearer admin-key"}
 ALICE = {"Authorization": "Bearer alice-key"}
+SALTS = TenantSalts.resolve()  # the suite's secret (tests/conftest.py), as the servers'
 
 
 def keyed_config() -> ServerConfig:
@@ -77,7 +78,7 @@ def test_the_null_publisher_numbers_batches_but_binds_nothing(make_server) -> No
     assert (doc["publisher"], doc["endpoint"], doc["seq"]) == ("null", None, 1)
     assert fetch_event_source(server.base_url) is None
     snapshot = fetch_event_snapshot(server.base_url)
-    expected = hash_full_blocks(prompt, 4, salt_key("default"))  # the default tenant's salt
+    expected = hash_full_blocks(prompt, 4, salt_key(SALTS.cache_salt("default", None)))
     assert snapshot.seq == 1 and sorted(snapshot.blocks) == sorted(
         (block_hash, "device") for block_hash in expected)
 
@@ -111,9 +112,10 @@ def test_a_subscriber_follows_the_server_and_resyncs_from_its_snapshot(make_serv
         prompt = list(range(1000, 1021))
         complete(server, prompt, ALICE)
         wait_for(follows)
-        hashes = hash_full_blocks(prompt, 4, salt_key("alice"))
+        hashes = hash_full_blocks(prompt, 4, salt_key(SALTS.cache_salt("alice", None)))
         assert index.longest_prefix(hashes) == 5
-        assert index.longest_prefix(hash_full_blocks(prompt, 4, salt_key("bob"))) == 0
+        as_bob = hash_full_blocks(prompt, 4, salt_key(SALTS.cache_salt("bob", None)))
+        assert index.longest_prefix(as_bob) == 0
         assert subscriber.stats().num_gaps == 0
 
         def skip_a_seq(engine) -> None:
