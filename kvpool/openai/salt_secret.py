@@ -21,12 +21,15 @@ two processes starting together read the same secret.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import tempfile
 from pathlib import Path
 
 __all__ = ["ENV_VAR", "SECRET_FILE_NAME", "default_secret_dir", "resolve_salt_secret"]
+
+logger = logging.getLogger(__name__)
 
 ENV_VAR = "KVPOOL_CACHE_SALT_SECRET"
 SECRET_FILE_NAME = "cache-salt-secret"
@@ -42,8 +45,10 @@ def resolve_salt_secret(secret_file: str | os.PathLike[str] | None = None,
                         f"--cache-salt-secret-file {str(secret_file)!r}")
     if os.environ.get(ENV_VAR):
         return _checked(os.environ[ENV_VAR].strip(), f"${ENV_VAR}")
-    directory = Path(cache_dir) if cache_dir is not None else default_secret_dir()
-    return _checked(_generated(directory / SECRET_FILE_NAME), str(directory / SECRET_FILE_NAME))
+    path = (Path(cache_dir) if cache_dir is not None else default_secret_dir()) / SECRET_FILE_NAME
+    logger.info("cache salt secret: %s (replicas and routers sharing blocks need the same)",
+                path)
+    return _checked(_generated(path), str(path))
 
 
 def default_secret_dir() -> Path:
