@@ -20,6 +20,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers and routers built by the tests (and the processes they start) key tenants' cache
+# salts with this secret, rather than generating a file under the user's ~/.cache.
+os.environ["KVPOOL_CACHE_SALT_SECRET"] = "kvpool-test-suite-cache-salt-secret"
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # pytest-xdist (`make test` runs one worker per core): each worker and every process it
     # starts gets its share of the cores, so torch's thread pools never oversubscribe them.

@@ -4,8 +4,10 @@
 Keys are `kvpool serve`'s, with the same flags and the same environment fallback for
 `--api-key`: give the router the replicas' key file and it knows the same tenants.
 `--replica-admin-key` (or `$KVPOOL_REPLICA_ADMIN_KEY`) is the replicas' `--admin-api-key`,
-used only to read their KV events. `--model` and `--chat-template` must name what the replicas
-serve: the router tokenizes prompts as they do (only the tokenizer is loaded, not the weights).
+used only to read their KV events. `--cache-salt-secret-file` (or `$KVPOOL_CACHE_SALT_SECRET`)
+is the replicas' salt secret: without the same secret the router's block hashes miss theirs.
+`--model` and `--chat-template` must name what the replicas serve: the router tokenizes
+prompts as they do (only the tokenizer is loaded, not the weights).
 The routing and health flags left out take `RouterConfig`'s defaults.
 """
 
@@ -76,6 +78,12 @@ def _add_key_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replica-admin-key", default=None,
                        help="the replicas' --admin-api-key, to read their KV events "
                             f"(default: ${REPLICA_ADMIN_KEY_ENV_VAR})")
+    group.add_argument("--cache-salt-secret-file", default=None, metavar="FILE",
+                       help="the replicas' --cache-salt-secret-file, so prompts hash as they do "
+                            "(default: $KVPOOL_CACHE_SALT_SECRET, else ~/.cache/kvpool's file)")
+    group.add_argument("--kv-events-curve-secret-key-file", default=None, metavar="FILE",
+                       help="the router's ZMQ CURVE key pair, for replicas whose KV event "
+                            "socket requires CURVE (their curve_client_keys list its public key)")
 
 
 def _add_timing_args(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +99,7 @@ def _add_timing_args(parser: argparse.ArgumentParser) -> None:
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     from kvpool.cli.serve import api_keys_from_args, load_chat_template
-    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
+    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable, TenantSalts
     from kvpool.openai.middleware import AccessPolicy
     from kvpool.router.config import RouterConfig
 
@@ -109,7 +117,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     admin_key = args.replica_admin_key or os.environ.get(REPLICA_ADMIN_KEY_ENV_VAR) or None
     return RouterConfig(
         replicas=tuple(url.rstrip("/") for url in args.replica), policy=args.policy,
-        access=access, replica_admin_key=admin_key, model=args.model,
+        access=access, replica_admin_key=admin_key,
+        kv_events_curve_secret_key_file=args.kv_events_curve_secret_key_file,
+        tenant_salts=TenantSalts.resolve(args.cache_salt_secret_file), model=args.model,
         chat_template=load_chat_template(args.chat_template), **given)
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
 
 if TYPE_CHECKING:
+    from kvpool.engine.config import EngineConfig
     from kvpool.server.config import ServerConfig
 
 DEFAULT_PORT = 8000
@@ -58,6 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--admin-api-key", action="append", default=None,
         help="an operator's key (tenant 'admin'): accepted on every path and /metrics, and "
              "sees every tenant's requests in the KV snapshot and dashboard; may repeat",
+    )
+    group.add_argument(
+        "--cache-salt-secret-file", default=None, metavar="FILE",
+        help="the secret tenants' cache salts are keyed with (default: "
+             "$KVPOOL_CACHE_SALT_SECRET, else a file generated once in the --kv-disk-cache "
+             "directory or ~/.cache/kvpool); give replicas and routers sharing blocks the same",
     )
     group.add_argument(
         "--allow-unauthenticated-metrics", action="store_true",
@@ -99,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable
+    from kvpool.openai.auth import ADMIN_TENANT, METRICS_TENANT, ApiKeyTable, TenantSalts
     from kvpool.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -118,6 +125,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        tenant_salts=TenantSalts.resolve(args.cache_salt_secret_file, args.kv_disk_cache),
     )
 
 
@@ -145,6 +153,15 @@ def api_keys_from_args(args: argparse.Namespace) -> list[str]:
     return []
 
 
+def check_kv_events_exposure(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """ValueError when the KV event socket would publish every tenant's blocks on every
+    interface of a server with keys (`KVEventsConfig.check_exposure`)."""
+    events = engine_config.observability.kv_events_config
+    if events is not None:
+        events.check_exposure(server_config.api_keys.is_enabled
+                              or server_config.admin_api_keys.is_enabled)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -156,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
+        check_kv_events_exposure(engine_config, server_config)
     except (ValueError, OSError) as error:
         print(f"kvpool serve: {error}", file=sys.stderr)
         return 2

@@ -21,7 +21,8 @@ Block hashes are `kvpool.memory.prefix_cache`'s 32-byte salted chain; `medium` n
 ("device" or "host"). A BlockStored carries a run of chained blocks of one medium:
 `parent_block_hash` is the parent of the run's first block (None for a prompt's first block,
 or a host block whose parent this log never heard of), each later hash chains on the one
-before, and `token_ids` are the run's tokens, `block_size` per block.
+before, and `token_ids` are the run's tokens, `block_size` per block, or empty (the default:
+hashes only, `KVEventsConfig.include_token_ids`).
 
 The producer is `kvpool.engine.observability.event_log.KVEventLog`; the router's
 `kvpool.router.kv_event_subscriber` and `prefix_index` consume. This module imports no torch.

@@ -15,6 +15,9 @@ Block states (`BlockRun.state`):
     offline   no memory behind the id: the null block, or a segment an elastic pool gave back
     other     (a tenant's view only) used, but by another tenant's sequences
 
+A tenant's view (`KVSnapshot.restricted_to`) keeps hashes and ages only for blocks its own
+sequences hold, and has an empty "lru" and "recent_evictions".
+
 Serialisation (`to_json`, `from_json`; format "kvpool.kv_snapshot", version 1). Blocks are runs
 of consecutive ids with equal (state, ref_count, filled slots, holders), not one object each:
 
@@ -260,24 +263,41 @@ class KVSnapshot:
 
     def restricted_to(self, visible: Callable[[SequenceView], bool]) -> KVSnapshot:
         """A viewer's snapshot: only `visible` sequences are listed; a used block none of them
-        holds becomes "other", with no holders and no hash. Counts and figures stay whole."""
+        holds becomes "other", with no holders. Only blocks a visible sequence holds keep
+        their hash and age; the LRU order and the recent evictions (blocks nobody holds) are
+        dropped: a hash that stays after its request ended would let the viewer confirm a
+        guess of another tenant's prompt. Counts and figures stay whole."""
         keep = [index for index, seq in enumerate(self.sequences) if visible(seq)]
         new_index = {old: new for new, old in enumerate(keep)}
         pools = {name: _restrict_pool(view, new_index) for name, view in self.pools.items()}
         sequences = tuple(self.sequences[index] for index in keep)
-        return replace(self, pools=pools, sequences=sequences)
+        return replace(self, pools=pools, sequences=sequences, recent_evictions=())
 
 
 def _restrict_pool(view: PoolView, new_index: dict[int, int]) -> PoolView:
-    runs, hidden = [], []
+    runs, shown = [], set()
     for run in view.runs:
         holders = tuple(new_index[h] for h in run.holders if h in new_index)
-        if run.state == USED and not holders:
-            runs.append(replace(run, state=OTHER, holders=()))
-            hidden.extend(run.block_ids)
-        else:
-            runs.append(replace(run, holders=holders))
-    hashes = dict(view.hashes)
-    for block_id in hidden:
-        hashes.pop(block_id, None)
-    return replace(view, runs=tuple(runs), hashes=hashes)
+        if holders:
+            shown.update(run.block_ids)
+        state = OTHER if run.state == USED and not holders else run.state
+        runs.append(replace(run, state=state, holders=holders))
+    hashes = {block_id: h for block_id, h in view.hashes.items() if block_id in shown}
+    return replace(view, runs=tuple(runs), hashes=hashes, ages=_shown_ages(view.ages, shown),
+                   lru=())
+
+
+def _shown_ages(ages: tuple[tuple[int, int, float | None], ...], shown: set[int]
+                ) -> tuple[tuple[int, int, float | None], ...]:
+    """The age runs with every id outside `shown` set to None, equal neighbours merged (the
+    runs still cover the same ids)."""
+    merged: list[list] = []
+    for first_id, count, age in ages:
+        for block_id in range(first_id, first_id + count):
+            block_age = age if block_id in shown else None
+            last = merged[-1] if merged else None
+            if last is not None and last[0] + last[1] == block_id and last[2] == block_age:
+                last[1] += 1
+            else:
+                merged.append([block_id, 1, block_age])
+    return tuple((first_id, count, age) for first_id, count, age in merged)

@@ -11,10 +11,13 @@ of the keys are kept, and a presented key is compared with every digest using
 key (or how much of one) matched.
 
 Isolation: the salt the engine folds into every block hash is derived here, on the server, from
-the authenticated tenant; a client's `cache_salt` can only be appended to it (narrowing the
-sharing to requests that give the same salt), never replace it. Tenant names cannot contain NUL,
-so `tenant + NUL + client_salt` is unambiguous: no tenant/salt pair collides with another, and
-`tenant_of_salt` reads the tenant back (for the KV snapshot's per-tenant view).
+the authenticated tenant (`TenantSalts`); a client's `cache_salt` can only be appended to it
+(narrowing the sharing to requests that give the same salt), never replace it. The salt is
+`tenant + NUL + HMAC-SHA256(secret, tenant)` (hex), the secret the server's
+(`kvpool.openai.salt_secret`): a tenant name is guessable, its salt is not, so nobody outside
+the server can hash a guessed prompt the way another tenant's blocks are hashed. Tenant names
+cannot contain NUL, so `salt + NUL + client_salt` is unambiguous: no tenant/salt pair collides
+with another, and `tenant_of_salt` reads the tenant back (for the KV snapshot's per-tenant view).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.engine.errors import InvalidRequestError
+from kvpool.openai.salt_secret import MIN_SECRET_CHARS, resolve_salt_secret
 
 DEFAULT_TENANT = "default"
 METRICS_TENANT = "metrics"  # the tenant of --metrics-api-key (accepted on /metrics only)
@@ -99,14 +103,39 @@ def parse_key_file(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def derive_cache_salt(tenant: str, client_salt: str | None) -> str:
-    """The engine's cache salt: the tenant, narrowed by the client's salt when given.
+@dataclass(frozen=True, slots=True)
+class TenantSalts:
+    """Each tenant's cache salt, keyed by the server's secret (module docstring)."""
 
-    InvalidRequestError (param "cache_salt") for a salt that is too long or is not text that
-    can be hashed (a lone surrogate, which JSON's `\\ud800` escape can carry): it is refused
-    here, before it reaches the engine."""
-    if client_salt is None:
-        return tenant
+    secret: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"the cache salt secret must be at least {MIN_SECRET_CHARS} bytes")
+
+    @classmethod
+    def resolve(cls, secret_file: str | Path | None = None,
+                cache_dir: str | Path | None = None) -> TenantSalts:
+        """From a flag's file, the environment or the generated file
+        (`kvpool.openai.salt_secret.resolve_salt_secret`)."""
+        return cls(resolve_salt_secret(secret_file, cache_dir))
+
+    def cache_salt(self, tenant: str, client_salt: str | None) -> str:
+        """The engine's cache salt: the tenant's keyed salt, narrowed by the client's salt
+        when given.
+
+        InvalidRequestError (param "cache_salt") for a client salt that is too long or is not
+        text that can be hashed (a lone surrogate, which JSON's `\\ud800` escape can carry):
+        it is refused here, before it reaches the engine."""
+        mac = hmac.new(self.secret, tenant.encode("utf-8", "surrogatepass"), hashlib.sha256)
+        base = f"{tenant}{_SALT_SEPARATOR}{mac.hexdigest()}"
+        if client_salt is None:
+            return base
+        _check_client_salt(client_salt)
+        return f"{base}{_SALT_SEPARATOR}{client_salt}"
+
+
+def _check_client_salt(client_salt: str) -> None:
     if len(client_salt) > MAX_CLIENT_SALT_CHARS:
         raise InvalidRequestError(
             f"cache_salt must be at most {MAX_CLIENT_SALT_CHARS} characters", "cache_salt")
@@ -115,11 +144,10 @@ def derive_cache_salt(tenant: str, client_salt: str | None) -> str:
     except UnicodeEncodeError:
         raise InvalidRequestError(
             "cache_salt must be valid Unicode text (no lone surrogates)", "cache_salt") from None
-    return f"{tenant}{_SALT_SEPARATOR}{client_salt}"
 
 
 def tenant_of_salt(cache_salt: str | None) -> str | None:
-    """The tenant a `derive_cache_salt` salt was derived from; None for no salt (a request
+    """The tenant a `TenantSalts.cache_salt` salt was derived from; None for no salt (a request
     the server did not send, e.g. one added to the engine directly)."""
     if cache_salt is None:
         return None

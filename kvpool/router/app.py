@@ -98,8 +98,9 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
         limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_SECONDS),
         trust_env=False)
-    replicas = ReplicaSet(config.replicas, partial(subscribe,
-                                                   admin_key=config.replica_admin_key))
+    replicas = ReplicaSet(config.replicas, partial(
+        subscribe, admin_key=config.replica_admin_key,
+        curve_secret_key_file=config.kv_events_curve_secret_key_file))
     proxy = Proxy(client, replicas, RouterMetrics(replicas))
     state = RouterState.build(config, replicas, proxy, tokenizer)
     checker = HealthChecker(replicas, client, config)

@@ -6,19 +6,23 @@ router derives the cache salt a replica will derive for the same key.
 `replica_admin_key` is the replicas' `--admin-api-key`, sent only on the two KV-event calls
 (`GET /v1/kv/events` and its snapshot), never on a client's request: a client's own
 `Authorization` header is what the replica sees on every forwarded request.
+`kv_events_curve_secret_key_file` is the router's CURVE key pair, for replicas whose KV event
+socket requires CURVE (`kvpool.formats.kv_events_curve`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from kvpool.openai.auth import ADMIN_TENANT
+from kvpool.openai.auth import ADMIN_TENANT, TenantSalts
 from kvpool.openai.middleware import AccessPolicy
 from kvpool.router.policy import POLICIES
 from kvpool.server.config import ServerConfig
 
-# The server's own default, so that nothing a default replica takes is refused here.
-DEFAULT_MAX_REQUEST_BYTES = ServerConfig().max_request_bytes
+# The server's own default, so that nothing a default replica takes is refused here (read
+# off the field: building a ServerConfig would resolve its salt secret at import).
+DEFAULT_MAX_REQUEST_BYTES = next(f.default for f in fields(ServerConfig)
+                                 if f.name == "max_request_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,9 @@ class RouterConfig:
 
     `model`: where the tokenizer comes from (the replicas' model; None: the bundled SmolLM2),
     and `chat_template` the replicas' `--chat-template`, if they have one: prompts must be
-    tokenized exactly as the replicas tokenize them for the block hashes to agree.
+    tokenized exactly as the replicas tokenize them for the block hashes to agree; for the
+    same reason `tenant_salts` must be keyed with the replicas' secret (`--cache-salt-secret-
+    file` or `$KVPOOL_CACHE_SALT_SECRET`).
     """
 
     replicas: tuple[str, ...]
@@ -47,6 +53,7 @@ class RouterConfig:
     max_load_imbalance: int = 4
     access: AccessPolicy = field(default_factory=AccessPolicy)  # open: no keys
     replica_admin_key: str | None = None
+    kv_events_curve_secret_key_file: str | None = None
     health_check_interval: float = 5.0
     health_check_timeout: float = 2.0
     num_failures_to_remove: int = 2
@@ -55,6 +62,7 @@ class RouterConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     model: str | None = None
     chat_template: str | None = None
+    tenant_salts: TenantSalts = field(default_factory=TenantSalts.resolve, repr=False)
 
     def __post_init__(self) -> None:
         if not self.replicas:

@@ -17,6 +17,9 @@ Sequence rules, with `last_seq` the last batch applied or the snapshot's seq:
   ZMQ's high-water mark or the network dropped some; or a restarted replica counting from 1
   again) is counted in `num_gaps` and answered by a resync;
 - a dropped connection resyncs once it is back (the replica may have restarted meanwhile).
+A replica whose socket is a CURVE server (its `GET /v1/kv/events` names a `curve_public_key`)
+is subscribed to with CURVE, under the router's own key pair (`curve_secret_key_file`, a key
+the replica lists; `kvpool.formats.kv_events_curve`).
 A resync that fails (the replica is down, a refused key) is retried with a backoff of up to
 `MAX_BACKOFF_SECONDS`; the thread never dies of it, and `stop` returns within a poll.
 """
@@ -33,6 +36,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool.formats.kv_events import EventSnapshot, decode_message
+from kvpool.formats.kv_events_curve import make_curve_client
 from kvpool.router.prefix_index import PrefixIndex
 
 __all__ = ["EventSnapshot", "EventSource", "KVEventSubscriber", "SubscriberStats",
@@ -51,11 +55,13 @@ _ANY_HOST = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 @dataclass(frozen=True, slots=True)
 class EventSource:
-    """Where a replica publishes: a ZMQ endpoint to connect to, its topic and block size."""
+    """Where a replica publishes: a ZMQ endpoint to connect to, its topic and block size,
+    and the socket's CURVE public key when it requires CURVE."""
 
     endpoint: str
     topic: str
     block_size: int
+    curve_public_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +88,7 @@ def fetch_event_source(base_url: str, headers: dict[str, str] | None = None,
     if not doc.get("enabled") or doc.get("publisher") != "zmq" or not doc.get("endpoint"):
         return None
     return EventSource(_reachable(doc["endpoint"], base_url), doc.get("topic") or "",
-                       int(doc["block_size"]))
+                       int(doc["block_size"]), doc.get("curve_public_key") or None)
 
 
 def fetch_event_snapshot(base_url: str, headers: dict[str, str] | None = None,
@@ -111,8 +117,14 @@ class KVEventSubscriber:
     """Keeps `index` equal to what a replica holds, from its events (module docstring)."""
 
     def __init__(self, source: EventSource, index: PrefixIndex,
-                 fetch_snapshot: Callable[[], EventSnapshot], name: str = "") -> None:
+                 fetch_snapshot: Callable[[], EventSnapshot], name: str = "",
+                 curve_secret_key_file: str | None = None) -> None:
+        """ValueError when the replica requires CURVE and no key file is given."""
+        if source.curve_public_key is not None and curve_secret_key_file is None:
+            raise ValueError("the replica's KV event socket requires CURVE: give the router "
+                             "a key pair the replica lists (--kv-events-curve-secret-key-file)")
         self.source = source
+        self._curve_secret_key_file = curve_secret_key_file
         self.index = index
         self.name = name or source.endpoint
         self._fetch_snapshot = fetch_snapshot
@@ -159,6 +171,8 @@ class KVEventSubscriber:
         socket.setsockopt(zmq.RCVHWM, RCVHWM)
         socket.setsockopt(zmq.IPV6, int("[" in self.source.endpoint))
         socket.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if self.source.curve_public_key is not None:
+            make_curve_client(socket, self._curve_secret_key_file, self.source.curve_public_key)
         monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
                                             | zmq.EVENT_DISCONNECTED)
         try:

@@ -4,9 +4,9 @@ The token ids come from the server's own functions, so they are the replica's id
 body is parsed with the server's request models; a completion's first prompt is tokenized by
 `kvpool.openai.prompts.tokenize_prompt` (a batch of prompts runs on one replica, routed by its
 first), a chat's conversation rendered and tokenized by `kvpool.openai.prompts.chat_prompt`
-(chat template, tools and all). The salt is `derive_cache_salt(tenant, cache_salt)`, the
-tenant the one the server's middleware gives the same key, so the hashes are the replica's
-`hash_full_blocks` chain.
+(chat template, tools and all). The salt is `TenantSalts.cache_salt(tenant, cache_salt)` (the
+router holds the replicas' salt secret), the tenant the one the server's middleware gives the
+same key, so the hashes are the replica's `hash_full_blocks` chain.
 
 A request that cannot be read this way (a body that does not parse, no tokenizer, messages the
 template refuses, a bad salt) gets `UNMATCHED`: it is routed by load, and the replica gives the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.memory.prefix_cache import BlockHash, hash_full_blocks, salt_key
-from kvpool.openai.auth import derive_cache_salt
+from kvpool.openai.auth import TenantSalts
 from kvpool.openai.prompts import chat_prompt, prompt_list, tokenize_prompt
 from kvpool.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -43,11 +43,12 @@ UNMATCHED = PromptKey((), 0)  # not hashed: matches nothing, so the request goes
 
 
 def prompt_key(path: str, body: bytes, tenant: str, tokenizer: Any,
-               chat_template: str | None, block_size: int) -> PromptKey:
+               chat_template: str | None, block_size: int,
+               tenant_salts: TenantSalts) -> PromptKey:
     """The request's `PromptKey`, or `UNMATCHED` (module docstring)."""
     try:
         token_ids, client_salt = _token_ids(path, json.loads(body), tokenizer, chat_template)
-        salt = salt_key(derive_cache_salt(tenant, client_salt))
+        salt = salt_key(tenant_salts.cache_salt(tenant, client_salt))
     except Exception as error:  # anything a bad request raises: the replica will say what
         logger.debug("routing by load: the request cannot be tokenized (%s)",
                      type(error).__name__)

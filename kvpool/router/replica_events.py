@@ -34,15 +34,17 @@ class ReplicaEvents:
         self.index.clear()
 
 
-def subscribe(url: str, admin_key: str | None) -> ReplicaEvents | None:
+def subscribe(url: str, admin_key: str | None,
+              curve_secret_key_file: str | None = None) -> ReplicaEvents | None:
     """The replica's feed, started; None when it publishes no events. Raises what the HTTP
-    calls raise (an unreachable replica, a refused key)."""
+    calls raise (an unreachable replica, a refused key), and ValueError for a replica that
+    requires CURVE when the router has no key pair."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
     source = fetch_event_source(url, headers)
     if source is None:
         return None
     index = PrefixIndex()
     subscriber = KVEventSubscriber(source, index, lambda: fetch_event_snapshot(url, headers),
-                                   name=url)
+                                   name=url, curve_secret_key_file=curve_secret_key_file)
     subscriber.start()
     return ReplicaEvents(index, subscriber, source.block_size)

@@ -41,7 +41,7 @@ class RouterState:
         if self.config.policy != "prefix" or block_size is None:
             return UNMATCHED
         return prompt_key(path, body, tenant, self.tokenizer, self.config.chat_template,
-                          block_size)
+                          block_size, self.config.tenant_salts)
 
     def choose(self, key: PromptKey, excluded: Collection[str]) -> Choice | None:
         """A routing decision among the healthy replicas not in `excluded`, recorded."""

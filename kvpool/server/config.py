@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable
+from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable, TenantSalts
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -34,6 +34,10 @@ class ServerConfig:
     `admin_api_keys` (from `--admin-api-key`, tenant `ADMIN_TENANT`) open every path a tenant's
     key does, and /metrics; with one, /v1/kv/snapshot lists every tenant's requests (a tenant
     sees only its own). No tenant key may name the admin tenant.
+
+    `tenant_salts`: each tenant's cache salt, keyed by the server's secret (`--cache-salt-
+    secret-file`, else `$KVPOOL_CACHE_SALT_SECRET`, else a generated file:
+    `kvpool.openai.salt_secret`).
     """
 
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
@@ -52,6 +56,7 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0
     chat_template: str | None = None  # Jinja text replacing the model's (--chat-template)
     tool_call_parser: str = "hermes"  # how tool calls are read from output (--tool-call-parser)
+    tenant_salts: TenantSalts = field(default_factory=TenantSalts.resolve, repr=False)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

@@ -1,14 +1,16 @@
 """The KV event routes: where this replica publishes, and the snapshot a consumer resyncs from.
 
     GET /v1/kv/events           {"enabled", "publisher", "endpoint", "topic", "block_size",
-                                 "seq", "num_batches_published", "num_events_published",
-                                 "num_batches_dropped"}
+                                 "seq", "curve_public_key", "num_batches_published",
+                                 "num_events_published", "num_batches_dropped"}
     GET /v1/kv/events/snapshot  {"seq", "block_size", "blocks": [{"hash": hex, "medium"}]}
                                  404 while events are off
 
 The snapshot is taken on the engine thread between two steps (`call_on_engine`); the log
 drains first, so `seq` is exactly the last batch whose changes `blocks` include, and a
-consumer applies the batches after it (`kvpool.router.kv_event_subscriber`). JSON encoding
+consumer applies the batches after it (`kvpool.router.kv_event_subscriber`).
+`curve_public_key` (Z85, else null) is the socket's CURVE key: a subscriber must connect with
+CURVE and a key the replica lists (`kvpool.formats.kv_events_curve`). JSON encoding
 runs in a worker thread.
 
 Access: block hashes of every tenant are listed, and tenant names (the salts they are derived
@@ -54,11 +56,13 @@ async def kv_events(request: Request) -> dict[str, Any]:
     log = engine.kv_events
     if log is None:
         return {"enabled": False, "publisher": None, "endpoint": None, "topic": None,
-                "block_size": engine.kv_memory.layout.block_size, "seq": 0}
+                "block_size": engine.kv_memory.layout.block_size, "seq": 0,
+                "curve_public_key": None}
     stats = log.publisher.stats()
     return {"enabled": True, "publisher": log.publisher.name,
             "endpoint": log.publisher.endpoint, "topic": log.config.topic,
             "block_size": log.block_size, "seq": log.seq,
+            "curve_public_key": log.publisher.curve_public_key,
             "num_batches_published": stats.num_batches_published,
             "num_events_published": stats.num_events_published,
             "num_batches_dropped": stats.num_batches_dropped}

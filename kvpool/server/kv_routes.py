@@ -6,7 +6,8 @@ worker thread, so neither the event loop nor the engine waits on a 100,000-block
 
 Tenant isolation: a snapshot's sequences are tagged with the tenant their cache salt names
 (`tenant_of_salt`); a tenant's view lists only its own and shows blocks held by anyone else as
-"other" (`KVSnapshot.restricted_to`). An admin key, or a server without keys, sees everything
+"other", with the hashes, ages, LRU order and evictions of blocks its sequences do not hold
+left out (`KVSnapshot.restricted_to`). An admin key, or a server without keys, sees everything
 (`request.state.sees_all_tenants`, set by the middleware); so does `explain` reveal which other
 salts hold a prompt's blocks only to them.
 
@@ -34,7 +35,7 @@ from kvpool.formats.kv_snapshot import KVSnapshot
 from kvpool.formats.snapshot_runs import SHORT_HASH_BYTES
 from kvpool.inspect.explain import explain_prompt
 from kvpool.inspect.palette import BACKGROUND_COLOUR, BLOCK_COLOURS, SHARED_MARKER_COLOUR
-from kvpool.openai.auth import derive_cache_salt, tenant_of_salt
+from kvpool.openai.auth import tenant_of_salt
 from kvpool.openai.errors import OpenAIError, bad_request
 from kvpool.openai.protocol import ErrorResponse, RequestModel, TokenId
 from kvpool.server.generation import ServerState
@@ -87,7 +88,7 @@ async def kv_explain(body: ExplainRequest, request: Request) -> Response:
     (`kvpool.inspect.explain`); nothing is allocated or changed."""
     state = _state(request)
     try:
-        salt = derive_cache_salt(request.state.tenant, body.cache_salt)
+        salt = state.config.tenant_salts.cache_salt(request.state.tenant, body.cache_salt)
     except InvalidRequestError as error:
         raise bad_request(str(error), error.param) from error
     token_ids = await asyncio.to_thread(_prompt_token_ids, body, state)

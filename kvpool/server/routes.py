@@ -26,7 +26,6 @@ from starlette.background import BackgroundTask
 from kvpool.engine.async_engine import EngineClosedError, EngineError
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.requests.outputs import RequestOutput
-from kvpool.openai.auth import derive_cache_salt
 from kvpool.openai.errors import OpenAIError, bad_request
 from kvpool.openai.protocol import (
     ChatCompletion,
@@ -139,7 +138,8 @@ async def _generate(
     respond: Callable[[list[RequestOutput], EngineInputs], Any],
 ) -> Response:
     try:
-        cache_salt = derive_cache_salt(request.state.tenant, body.cache_salt)
+        cache_salt = state.config.tenant_salts.cache_salt(request.state.tenant,
+                                                          body.cache_salt)
     except InvalidRequestError as error:
         raise bad_request(str(error), error.param) from error
     generation = state.begin()

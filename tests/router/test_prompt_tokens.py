@@ -12,12 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool.openai.auth import DEFAULT_TENANT, ApiKeyTable
+from kvpool.openai.auth import DEFAULT_TENANT, ApiKeyTable, TenantSalts
 from kvpool.router.prompt_tokens import CHAT_PATH, COMPLETIONS_PATH, UNMATCHED, prompt_key
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL
 
 BLOCK_SIZE = 16
+SALTS = TenantSalts.resolve()  # the suite's secret (tests/conftest.py), as the replicas'
 STORY = ("Once upon a time, in a valley between two rivers, there lived a clockmaker who "
          "built a clock that ran backwards, and the whole town came to see it.")
 TOOLS = [{"type": "function", "function": {
@@ -39,7 +40,8 @@ def run_and_hash(base_url: str, path: str, body: dict[str, Any], tokenizer: Any,
     response = httpx.post(f"{base_url}{path}", json={**body, "max_tokens": 1},
                           headers=headers, timeout=30)
     assert response.status_code == 200, response.text
-    key = prompt_key(path, json.dumps(body).encode(), tenant, tokenizer, None, BLOCK_SIZE)
+    key = prompt_key(path, json.dumps(body).encode(), tenant, tokenizer, None, BLOCK_SIZE,
+                     SALTS)
     assert key.num_prompt_tokens == response.json()["usage"]["prompt_tokens"]
     assert len(key.block_hashes) >= 2
     return key.block_hashes
@@ -74,9 +76,9 @@ def test_a_batch_is_keyed_by_its_first_prompt(make_replica, fast_model) -> None:
                           json={**body, "max_tokens": 1})
     assert response.status_code == 200, response.text
     batch = prompt_key(COMPLETIONS_PATH, json.dumps(body).encode(), DEFAULT_TENANT,
-                       fast_model.tokenizer, None, BLOCK_SIZE)
+                       fast_model.tokenizer, None, BLOCK_SIZE, SALTS)
     alone = prompt_key(COMPLETIONS_PATH, json.dumps({"prompt": STORY}).encode(),
-                       DEFAULT_TENANT, fast_model.tokenizer, None, BLOCK_SIZE)
+                       DEFAULT_TENANT, fast_model.tokenizer, None, BLOCK_SIZE, SALTS)
     assert batch == alone and len(batch.block_hashes) >= 2
     assert set(batch.block_hashes) <= held_hashes(replica.base_url)
 
@@ -94,7 +96,7 @@ def test_a_tenant_key_salts_as_the_replica_salts(make_replica, fast_model, tmp_p
     held = held_hashes(replica.base_url, {"Authorization": "Bearer root"})
     assert set(hashes) <= held
     as_bob = prompt_key(COMPLETIONS_PATH, json.dumps(body).encode(), "bob",
-                        fast_model.tokenizer, None, BLOCK_SIZE)
+                        fast_model.tokenizer, None, BLOCK_SIZE, SALTS)
     assert not set(as_bob.block_hashes) & held
 
 
@@ -108,12 +110,13 @@ def test_a_tenant_key_salts_as_the_replica_salts(make_replica, fast_model, tmp_p
 ])
 def test_what_cannot_be_read_is_unmatched(fast_model, path, body) -> None:
     assert prompt_key(path, body, DEFAULT_TENANT, fast_model.tokenizer, None,
-                      BLOCK_SIZE) is UNMATCHED
+                      BLOCK_SIZE, SALTS) is UNMATCHED
 
 
 def test_without_a_tokenizer_only_token_ids_are_keyed() -> None:
     text = json.dumps({"prompt": STORY}).encode()
-    assert prompt_key(COMPLETIONS_PATH, text, DEFAULT_TENANT, None, None, 4) is UNMATCHED
+    assert prompt_key(COMPLETIONS_PATH, text, DEFAULT_TENANT, None, None, 4,
+                      SALTS) is UNMATCHED
     ids = json.dumps({"prompt": [1, 2, 3, 4, 5, 6, 7, 8]}).encode()
-    assert len(prompt_key(COMPLETIONS_PATH, ids, DEFAULT_TENANT, None, None, 4)
+    assert len(prompt_key(COMPLETIONS_PATH, ids, DEFAULT_TENANT, None, None, 4, SALTS)
                .block_hashes) == 2

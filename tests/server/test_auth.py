@@ -15,7 +15,7 @@ import pytest
 from kvpool.cli import build_parser
 from kvpool.cli.serve import server_config_from_args
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.openai.auth import ApiKeyTable, derive_cache_salt, parse_key_file
+from kvpool.openai.auth import ApiKeyTable, TenantSalts, parse_key_file
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL
 
@@ -54,17 +54,18 @@ def test_api_key_and_key_file_combine(tmp_path: Path) -> None:
 
 
 def test_cache_salt_is_the_tenant_narrowed_by_the_client() -> None:
-    assert derive_cache_salt("alice", None) == "alice"
-    salts = {
-        derive_cache_salt(tenant, client)
+    salts = TenantSalts(b"s" * 32)
+    assert salts.cache_salt("alice", None).startswith("alice\0")
+    derived = {
+        salts.cache_salt(tenant, client)
         for tenant in ("alice", "bob")
         for client in (None, "", "x", "bob")
     }
-    assert len(salts) == 8  # no (tenant, client salt) pair collides with another
+    assert len(derived) == 8  # no (tenant, client salt) pair collides with another
     with pytest.raises(ValueError, match="at most 256"):
-        derive_cache_salt("alice", "s" * 257)
+        salts.cache_salt("alice", "s" * 257)
     with pytest.raises(InvalidRequestError, match="valid Unicode") as refused:
-        derive_cache_salt("alice", "x\ud800")  # a lone surrogate cannot be hashed
+        salts.cache_salt("alice", "x\ud800")  # a lone surrogate cannot be hashed
     assert refused.value.param == "cache_salt"
 
 

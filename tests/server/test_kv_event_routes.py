@@ -9,22 +9,26 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from kvpool.engine.observability.event_log import KVEventLog
+from kvpool.formats.kv_events_curve import generate_key_pair
 from kvpool.memory.prefix_cache import hash_full_blocks, salt_key
-from kvpool.openai.auth import ApiKeyTable
+from kvpool.openai.auth import ApiKeyTable, TenantSalts
 from kvpool.router.kv_event_subscriber import (
     KVEventSubscriber,
     fetch_event_snapshot,
     fetch_event_source,
 )
 from kvpool.router.prefix_index import PrefixIndex
+from kvpool.router.replica_events import subscribe as subscribe_to_replica
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, RunningServer
 
 EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://*:*", "topic": "kv"}
 ADMIN = {"Authorization": "Bearer admin-key"}
 ALICE = {"Authorization": "Bearer alice-key"}
+SALTS = TenantSalts.resolve()  # the suite's secret (tests/conftest.py), as the servers'
 
 
 def keyed_config() -> ServerConfig:
@@ -77,7 +81,7 @@ def test_the_null_publisher_numbers_batches_but_binds_nothing(make_server) -> No
     assert (doc["publisher"], doc["endpoint"], doc["seq"]) == ("null", None, 1)
     assert fetch_event_source(server.base_url) is None
     snapshot = fetch_event_snapshot(server.base_url)
-    expected = hash_full_blocks(prompt, 4, salt_key("default"))  # the default tenant's salt
+    expected = hash_full_blocks(prompt, 4, salt_key(SALTS.cache_salt("default", None)))
     assert snapshot.seq == 1 and sorted(snapshot.blocks) == sorted(
         (block_hash, "device") for block_hash in expected)
 
@@ -111,9 +115,10 @@ def test_a_subscriber_follows_the_server_and_resyncs_from_its_snapshot(make_serv
         prompt = list(range(1000, 1021))
         complete(server, prompt, ALICE)
         wait_for(follows)
-        hashes = hash_full_blocks(prompt, 4, salt_key("alice"))
+        hashes = hash_full_blocks(prompt, 4, salt_key(SALTS.cache_salt("alice", None)))
         assert index.longest_prefix(hashes) == 5
-        assert index.longest_prefix(hash_full_blocks(prompt, 4, salt_key("bob"))) == 0
+        as_bob = hash_full_blocks(prompt, 4, salt_key(SALTS.cache_salt("bob", None)))
+        assert index.longest_prefix(as_bob) == 0
         assert subscriber.stats().num_gaps == 0
 
         def skip_a_seq(engine) -> None:
@@ -129,3 +134,26 @@ def test_a_subscriber_follows_the_server_and_resyncs_from_its_snapshot(make_serv
         assert index.longest_prefix(hashes) == 0  # evicted long since
     finally:
         subscriber.stop()
+
+
+def test_a_curve_replica_is_followed_by_a_router_holding_a_listed_key(make_server,
+                                                                      tmp_path) -> None:
+    replica_key = generate_key_pair(tmp_path, "replica")[1]
+    router_public, router_secret = generate_key_pair(tmp_path, "router")
+    events = {**EVENTS, "endpoint": "tcp://127.0.0.1:*",
+              "curve_secret_key_file": str(replica_key),
+              "curve_client_keys": [str(router_public)]}
+    server = make_server(keyed_config(), block_size=4, kv_events_config=events)
+    doc = httpx.get(f"{server.base_url}/v1/kv/events", headers=ADMIN).json()
+    assert len(doc["curve_public_key"]) == 40
+    with pytest.raises(ValueError, match="requires CURVE"):
+        subscribe_to_replica(server.base_url, "admin-key")
+    feed = subscribe_to_replica(server.base_url, "admin-key", str(router_secret))
+    try:
+        assert feed.subscriber.wait_synced(15)
+        prompt = list(range(700, 709))
+        complete(server, prompt, ALICE)
+        hashes = hash_full_blocks(prompt, 4, salt_key(SALTS.cache_salt("alice", None)))
+        wait_for(lambda: feed.index.longest_prefix(hashes) == 2)
+    finally:
+        feed.stop()

@@ -23,7 +23,7 @@ from kvpool.cli.serve import server_config_from_args
 from kvpool.engine.async_engine import EngineClosedError
 from kvpool.formats.kv_snapshot import BLOCK_STATES, KVSnapshot
 from kvpool.inspect.palette import BLOCK_COLOURS
-from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable, derive_cache_salt, tenant_of_salt
+from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable, TenantSalts, tenant_of_salt
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, RunningServer, serve, slow_steps
 
@@ -187,7 +187,7 @@ def test_the_dashboard_is_one_page_that_loads_nothing_from_elsewhere(server) -> 
 def test_tenant_of_salt_reads_back_the_derived_salt() -> None:
     for tenant in ("alice", "admin", "a b"):
         for client in (None, "", "x", "x\x00y"):
-            assert tenant_of_salt(derive_cache_salt(tenant, client)) == tenant
+            assert tenant_of_salt(TenantSalts.resolve().cache_salt(tenant, client)) == tenant
     assert tenant_of_salt(None) is None
 
 

@@ -26,7 +26,7 @@ class ObservabilityConfig:
         "FILE, one JSON line each (kvpool.formats.kv_trace)", metavar="FILE")
     kv_events_config: KVEventsConfig | None = option(
         None, 'publish KV events, as vLLM does: \'{"enable_kv_cache_events": true, '
-        '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'', parser=parse_json_object,
+        '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'', parser=parse_json_object,
         metavar="JSON")
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ Invariants:
 - Applying every drained batch, in order, to empty per-medium sets gives exactly the hashes
   the attached pools' prefix caches hold as of the last drain; `snapshot` drains first, so
   its blocks are those sets and its `seq` the last batch they include.
+- A BlockStored's `token_ids` are empty unless `config.include_token_ids`: hashes only.
 - `_parent_by_hash` knows the parent of every hash an attached pool holds that this log heard
   published (so a host spill names its parent); hashes no pool holds are pruned at each drain.
 """
@@ -44,6 +45,7 @@ class PublisherStats:
 class EventPublisher(Protocol):
     name: str  # the config's `publisher`
     endpoint: str | None  # the address bound (zmq.LAST_ENDPOINT); None: nothing bound
+    curve_public_key: str | None  # Z85: subscribers must use CURVE with it; None: no CURVE
 
     def publish(self, seq: int, batch: KVEventBatch) -> None: ...
 
@@ -59,6 +61,8 @@ class KVEventLog(KVListener):
                  publisher: EventPublisher) -> None:
         self.config = config
         self.block_size = block_size
+        # Prompts leave the process only when the operator asks (`include_token_ids`).
+        self._includes_token_ids = config.include_token_ids
         self.publisher = publisher
         self.seq = 0
         self._pools: dict[str, BlockPool] = {}
@@ -83,10 +87,12 @@ class KVEventLog(KVListener):
         if (type(last) is BlockStored and last.medium == medium
                 and last.block_hashes[-1] == parent_hash):  # the run goes on
             last.block_hashes.append(block_hash)
-            last.token_ids.extend(token_ids)
+            if self._includes_token_ids:
+                last.token_ids.extend(token_ids)
             return
-        events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size,
-                                  None, medium))
+        tokens = list(token_ids) if self._includes_token_ids else []
+        events.append(BlockStored([block_hash], parent_hash, tokens, self.block_size, None,
+                                  medium))
 
     def block_evicted(self, medium: str, block_id: int, entry: CachedBlock,
                       is_kv_intact: bool) -> None:

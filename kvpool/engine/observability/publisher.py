@@ -12,6 +12,10 @@ Either way the consumer sees a gap in `seq` and resyncs from the snapshot endpoi
 `start_kv_events` is the engine's one call: the log, its publisher, the device pool and the
 host tier's pool attached, closed at `LLMEngine.close` (or when the engine is collected).
 
+With `curve_secret_key_file` the socket is a CURVE server and a ZAP handler on the thread's own
+context admits only `curve_client_keys` (`kvpool.formats.kv_events_curve`); both are set up
+before the bind, so no subscriber ever connects unauthenticated.
+
 Invariants: num_batches_published + num_batches_dropped + batches still queued == batches
 handed to `publish`; after `close` returns the socket is closed and `publish` only counts drops.
 """
@@ -29,6 +33,7 @@ import zmq
 from kvpool.engine.observability.event_log import EventPublisher, KVEventLog, PublisherStats
 from kvpool.engine.observability.events_config import KVEventsConfig
 from kvpool.formats.kv_events import KVEventBatch, encode_message
+from kvpool.formats.kv_events_curve import make_curve_server, start_authenticator
 
 __all__ = ["EventPublisher", "NullEventPublisher", "PublisherStats", "ZmqEventPublisher",
            "make_publisher", "start_kv_events"]
@@ -47,6 +52,7 @@ class NullEventPublisher:
 
     name = "null"
     endpoint = None
+    curve_public_key = None
 
     def __init__(self) -> None:
         self._num_batches = 0
@@ -72,6 +78,7 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig) -> None:
         self.topic = config.topic
         self.endpoint: str | None = None
+        self.curve_public_key: str | None = None  # Z85, when the socket is a CURVE server
         self._max_queue_size = config.max_queue_size
         self._queue: deque[tuple[int, KVEventBatch]] = deque()
         self._ready = threading.Condition()
@@ -115,22 +122,25 @@ class ZmqEventPublisher:
     def _run(self, config: KVEventsConfig, bound: threading.Event) -> None:
         context = zmq.Context()
         socket = context.socket(zmq.PUB)
+        authenticators = []
         try:
             socket.setsockopt(zmq.SNDHWM, config.hwm)
+            if config.curve_secret_key_file is not None:
+                authenticators.append(start_authenticator(context, config.curve_client_keys))
+                public_key = make_curve_server(socket, config.curve_secret_key_file)
+                self.curve_public_key = public_key.decode("ascii")
             socket.bind(config.endpoint)
             self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError as error:
+        except (zmq.ZMQError, ValueError) as error:
             self._bind_error = str(error)
-            socket.close(linger=0)
-            context.term()
+            _close(context, socket, authenticators, linger=0)
             return
         finally:
             bound.set()
         try:
             self._send_until_closed(socket)
         finally:
-            socket.close(linger=CLOSE_LINGER_MS)
-            context.term()
+            _close(context, socket, authenticators, linger=CLOSE_LINGER_MS)
 
     def _send_until_closed(self, socket: zmq.Socket) -> None:
         while True:
@@ -147,6 +157,14 @@ class ZmqEventPublisher:
                 self._num_events += sum(len(batch.events) for _, batch in pending)
             if is_closing:
                 return
+
+
+def _close(context: zmq.Context, socket: zmq.Socket, authenticators: list,
+           linger: int) -> None:
+    socket.close(linger=linger)
+    for authenticator in authenticators:
+        authenticator.stop()
+    context.term()
 
 
 def make_publisher(config: KVEventsConfig) -> EventPublisher:

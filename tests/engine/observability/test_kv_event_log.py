@@ -30,7 +30,7 @@ from kvpool.memory.resizable_block_pool import ResizableBlockPool
 from kvpool.memory.sequence_blocks import SequenceBlocks
 from kvpool.router.prefix_index import PrefixIndex
 
-CONFIG = KVEventsConfig(True, publisher="null", topic="kv")
+CONFIG = KVEventsConfig(True, publisher="null", topic="kv", include_token_ids=True)
 LAYOUT = KVLayout(block_size=2)
 
 

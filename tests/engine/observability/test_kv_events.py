@@ -1,6 +1,7 @@
 """KV events from a real engine (SmolLM2), received on a real ZMQ SUB socket: a prompt's
 chain with its parents and tokens, evictions, spills to the host tier, a reset; and an
-engine with events off binds nothing and hooks nothing."""
+engine with events off binds nothing and hooks nothing; by default the events carry hashes
+only, never a prompt's tokens."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from kvpool.formats.kv_events import (
 from kvpool.memory.prefix_cache import hash_full_blocks, salt_key
 from kvpool.router.prefix_index import PrefixIndex
 
-EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "topic": "kv"}
+EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "topic": "kv",
+          "include_token_ids": True}
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 A = list(range(1000, 1017))  # 17 tokens: four full blocks of 4, computed by the prefill
 B = list(range(2000, 2017))
@@ -97,6 +99,19 @@ def test_a_prompt_publishes_its_chain_and_a_branch_names_its_parent(make_engine,
             BlockStored(branch_chain[2:], chain[1], branch[8:16], 4, None, DEVICE)])),
     ]
     assert engine.kv_events.publisher.stats().num_events_published == 2
+
+
+def test_by_default_a_subscriber_gets_hashes_and_no_token_ids(make_engine,
+                                                               subscriber_to) -> None:
+    # Issue 28: any subscriber decoded another tenant's prompt from `token_ids`.
+    hashes_only = {key: value for key, value in EVENTS.items() if key != "include_token_ids"}
+    engine = make_engine(block_size=4, num_gpu_blocks=32, enable_warmup=False,
+                         kv_events_config=hashes_only)
+    subscriber = subscriber_to(engine)
+    run(engine, A, "tenant-1")
+    chain = hash_full_blocks(A, 4, salt_key("tenant-1"))
+    [(seq, batch)] = subscriber.receive(1)
+    assert seq == 1 and batch.events == [BlockStored(chain, None, [], 4, None, DEVICE)]
 
 
 def test_evictions_are_removed_and_the_batches_rebuild_the_cache(make_engine,
