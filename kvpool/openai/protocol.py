@@ -165,7 +165,7 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ToolChoice = Literal["none", "auto", "required", "any"] | NamedToolChoice  # any: required
 
 
 class ChatCompletionRequest(SamplingFields):

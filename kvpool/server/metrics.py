@@ -5,6 +5,7 @@ collector: no gauge to keep in sync, and the block pool's hot paths stay free of
 the per-request histograms (`kvpool.server.request_metrics`: latencies, phases, inter-token
 gaps, token counts) are observed by the server from what each output carries. Every app gets
 its own `CollectorRegistry`, so several apps (tests, benchmarks) can live in one process.
+Those with a vLLM twin are served under their `vllm:` name too (`vllm_metric_names.py`).
 
     gauges     kvpool:kv_cache_usage_perc, kvpool:num_{free,used,cached}_blocks, kvpool:num_blocks,
                kvpool:kv_cache_unfilled_slots, kvpool:num_requests_{running,waiting},
@@ -47,6 +48,7 @@ from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.tiers.redis_tier import SharedTierStats
 from kvpool.server.request_metrics import RequestHistograms
+from kvpool.server.vllm_metric_names import WithVllmNames
 
 
 class EngineCollector(Collector):
@@ -223,4 +225,4 @@ class ServerMetrics:
         self.requests.observe_finished(output, num_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(WithVllmNames(self.registry))

@@ -9,25 +9,27 @@
 `tool_choice` defaults to `auto` when tools are given, else `none` (OpenAI). With `required`
 or a named function the output is constrained as vLLM constrains it, so the arguments always
 validate against the function's `parameters`: a named function's output is its arguments
-object; `required`'s is `[{"name": <one of the names>, "parameters": {...}}, ...]` with at
-least one item (at most one with `parallel_tool_calls: false`), each item's parameters tied to
-its name by `anyOf`. `$defs` inside the tools' parameters move to the root, where their `$ref`s
-resolve. A parameters schema the grammar compiler refuses is a 400 naming
+object; `required`'s is a JSON array of 1 to 8 calls (exactly 1 with `parallel_tool_calls:
+false`) in a grammar that always ends (`required_calls`). `tool_choice: "any"` (LangChain's
+name) means `required`. A parameters schema the grammar compiler refuses is a 400 naming
 `tools[i].function.parameters`.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvpool.openai.errors import OpenAIError, bad_request
 from kvpool.openai.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from kvpool.openai.structured import Constraint, compile_constraint, make_constraint
+from kvpool.openai.tools.required_calls import (
+    parameters_param,
+    required_calls_grammar,
+    tool_parameters,
+)
 
 ToolMode = Literal["none", "auto", "required", "named"]
-_NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +60,14 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan("none", [])
     if choice == "auto":
         return ToolPlan("auto", tools, is_parallel=is_parallel)
-    if choice == "required":
-        schema = _calls_schema(tools, is_parallel)
+    if choice in ("required", "any"):
+        grammar = required_calls_grammar(tools, is_parallel)
         return ToolPlan("required", tools, None, is_parallel,
-                        make_constraint("tools", json=schema))
+                        make_constraint("tools", grammar=grammar))
     assert isinstance(choice, NamedToolChoice)
     index = _tool_index(tools, choice.function.name)
     return ToolPlan("named", tools, choice.function.name, False,
-                    make_constraint(_parameters_param(index), json=_parameters(tools[index])))
+                    make_constraint(parameters_param(index), json=tool_parameters(tools[index])))
 
 
 def compile_tool_constraint(engine: Any, plan: ToolPlan) -> None:
@@ -79,8 +81,8 @@ def compile_tool_constraint(engine: Any, plan: ToolPlan) -> None:
         if plan.mode != "required":
             raise
         for index, tool in enumerate(plan.tools):
-            compile_constraint(engine, make_constraint(_parameters_param(index),
-                                                       json=_parameters(tool)))
+            compile_constraint(engine, make_constraint(parameters_param(index),
+                                                       json=tool_parameters(tool)))
         raise
 
 
@@ -102,39 +104,3 @@ def _tool_index(tools: list[ToolDefinition], name: str) -> int:
     raise bad_request("tool_choice names a function that is not in tools",
                       "tool_choice.function.name")
 
-
-def _parameters_param(index: int) -> str:
-    return f"tools[{index}].function.parameters"
-
-
-def _parameters(tool: ToolDefinition) -> dict[str, Any]:
-    """The function's parameters schema (a copy); no parameters: an empty object."""
-    return copy.deepcopy(tool.function.parameters) if tool.function.parameters else dict(
-        _NO_ARGUMENTS)
-
-
-def _calls_schema(tools: list[ToolDefinition], is_parallel: bool) -> dict[str, Any]:
-    """`required`'s schema: an array of {"name", "parameters"} items, one variant per tool."""
-    variants = []
-    defs: dict[str, Any] = {}
-    for index, tool in enumerate(tools):
-        parameters = _parameters(tool)
-        tool_defs = parameters.pop("$defs", {})
-        if not isinstance(tool_defs, dict):
-            raise bad_request("$defs must be an object", _parameters_param(index))
-        for name, schema in tool_defs.items():
-            if defs.setdefault(name, schema) != schema:
-                raise bad_request("tools define the same $defs name differently",
-                                  _parameters_param(index))
-        variants.append({
-            "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                           "parameters": parameters},
-            "required": ["name", "parameters"],
-        })
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": {"type": "object", "anyOf": variants}}
-    if not is_parallel:
-        schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
-    return schema
