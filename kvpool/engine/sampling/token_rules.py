@@ -28,7 +28,6 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,7 +58,7 @@ class TokenRules:
     bias_values: torch.Tensor | None = None  # [num_biased] float32, OpenAI's additive bias
     allowed_token_ids: torch.Tensor | None = None  # [num_allowed] int64; None: all allowed
     banned_token_ids: torch.Tensor | None = None  # [num_one_token_words] int64, always banned
-    bad_word_prefixes: _PrefixIndex = field(default_factory=lambda: MappingProxyType({}))
+    bad_word_prefixes: _PrefixIndex = field(default_factory=dict)  # read-only once built
     bad_words_token_ids: tuple[TokenSequence, ...] = ()  # every bad word's sequence, in order
 
     @classmethod
@@ -109,7 +108,7 @@ def _prefix_index(words: tuple[TokenSequence, ...]) -> _PrefixIndex:
     for word in words:
         if len(word) > 1:
             index.setdefault(word[-2], []).append((word[:-1], word[-1]))
-    return MappingProxyType({token_id: tuple(entries) for token_id, entries in index.items()})
+    return {token_id: tuple(entries) for token_id, entries in index.items()}
 
 
 class TokenRuleBuilder:
