@@ -132,8 +132,13 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request and return its stream; ValueError (from the engine) if it is
         invalid, EngineClosedError if the engine is shutting down. A structured request's
-        grammar is compiled first, in a worker thread, so the engine thread finds it cached."""
+        grammar is compiled first, in a worker thread, so the engine thread finds it cached;
+        so are its bad words tokenized. The params are checked and copied first: the caller's
+        later changes to its object never reach the request."""
         loop = asyncio.get_running_loop()
+        params = params.validated_copy()
+        if params.bad_words:
+            await asyncio.to_thread(self.engine.intake.token_rules.prepare, params)
         compiler = self.grammar_compiler
         if params.structured_outputs is not None and compiler is not None:
             await asyncio.to_thread(compiler.compile, params.structured_outputs)

@@ -1,9 +1,14 @@
 """How to sample a request's continuation, and what its outputs carry; vLLM's names and meanings.
 
-Every value is checked when the object is built, so a bad request fails before it reaches the
-scheduler with an `InvalidRequestError` whose `param` is the field at fault and whose message
-names the field and the allowed range, never the offending value. The numeric bounds also keep
-the sampler's float32 arithmetic finite (see `_MIN_REPETITION_PENALTY`).
+`SamplingParams` is a mutable dataclass, as in vLLM (whose chat example does
+`sp = llm.get_default_sampling_params(); sp.max_tokens = N`). Every value is checked when the
+object is built and again when it is used: the engine keeps `validated_copy()`, a checked
+snapshot taken when the request is added, so a field set to a bad value after construction
+fails at `generate`/`add_request`, and a change made after that never reaches a running
+request. A bad value raises an `InvalidRequestError` whose `param` is the field at fault and
+whose message names the field and the allowed range, never the offending value. The numeric
+bounds also keep the sampler's float32 arithmetic finite (see `_MIN_REPETITION_PENALTY`), and
+the size caps keep what a request's token rules cost bounded (`MAX_LOGIT_BIAS_KEYS`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,15 @@ _MIN_REPETITION_PENALTY = 0.01
 _MAX_REPETITION_PENALTY = 100.0
 # OpenAI's range for logit_bias values: -100 bans a token in effect, 100 all but forces it.
 _MAX_LOGIT_BIAS = 100.0
+# OpenAI's and vLLM's OpenAI server's bound. Far above it, dividing the logits gives float32
+# zeros and subnormals: a row's probabilities come out unusable and it silently turns greedy.
+MAX_TEMPERATURE = 2.0
+# Size caps, checked before anything walks the values. OpenAI caps logit_bias at a few hundred
+# keys; the others bound a request's token rules (`kvpool.engine.sampling.token_rules`), built
+# once at admission, so that no request's lists can make every tenant's step slow.
+MAX_LOGIT_BIAS_KEYS = 300
+MAX_ALLOWED_TOKEN_IDS = 8192
+MAX_BAD_WORDS = 128
 
 
 class RequestOutputKind(enum.Enum):
@@ -39,7 +53,7 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # a single output, when the request finishes
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """Sampling and stopping rules for one request.
 
@@ -54,6 +68,9 @@ class SamplingParams:
     grammar; `include_stop_str_in_output` keeps the stop string that ended the text;
     `prompt_logprobs=k` returns each prompt token's log probability and the k most likely
     alternatives at its position. `stop=None`, `stop_token_ids=None` and `seed=-1` mean none.
+
+    Fields may be changed after construction (as in vLLM); the change is checked when the
+    params are used (`validated_copy`, run by the engine when it takes the request).
     """
 
     n: int = 1
@@ -81,32 +98,57 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", [self.stop])
-        object.__setattr__(self, "stop", list(self.stop or []))
-        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
-        object.__setattr__(self, "bad_words", list(self.bad_words or []))
-        if self.seed == -1:
-            object.__setattr__(self, "seed", None)
-        if self.top_k == -1:
-            object.__setattr__(self, "top_k", 0)
-        if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
-        if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
+        self._normalize()
         self._validate()
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's `clone`): changing the copy's lists never touches this one."""
         return copy.deepcopy(self)
 
+    def validated_copy(self) -> SamplingParams:
+        """A normalised, checked deep copy: what the engine keeps of a request's params, so a
+        change the caller makes later (to the object or its lists) never reaches the request.
+        InvalidRequestError if a field was set out of range since construction."""
+        self._check_sizes()  # before the copy walks them
+        snapshot = copy.deepcopy(self)
+        snapshot._normalize()
+        snapshot._validate()
+        return snapshot
+
+    def _normalize(self) -> None:
+        """vLLM's spellings of "none" and one-item shorthands, as the engine reads them; the
+        lists and dict as this object's own copies."""
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.seed == -1:
+            self.seed = None
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+
+    def _check_sizes(self) -> None:
+        """The size caps, checked by length alone (nothing walks the values first)."""
+        for param, values, cap in (("logit_bias", self.logit_bias, MAX_LOGIT_BIAS_KEYS),
+                                   ("allowed_token_ids", self.allowed_token_ids,
+                                    MAX_ALLOWED_TOKEN_IDS),
+                                   ("bad_words", self.bad_words, MAX_BAD_WORDS)):
+            if values is not None and len(values) > cap:
+                raise InvalidRequestError(f"{param} may hold at most {cap} entries", param)
+
     def _validate(self) -> None:
+        self._check_sizes()
         # (field, is valid, rule); NaN fails every comparison, so it is rejected too.
         max_tokens = self.max_tokens
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("temperature", math.isfinite(self.temperature), "must be finite"),
+            ("temperature", self.temperature <= MAX_TEMPERATURE,
+             f"must be in [0, {MAX_TEMPERATURE:g}]"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be 0 or -1 (off) or a positive int"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),

@@ -31,6 +31,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvpool.engine.sampling.token_rules import NO_TOKEN_RULES, TokenRules
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.prefix_cache import BlockHash, SaltKey
@@ -122,7 +123,10 @@ class Request:
     `generators[i]` is completion i's random stream, made on the model's device when the
     request is made, so a completion not yet forked can already be sampled; likewise
     `matchers[i]`, completion i's grammar matcher (empty without structured outputs), which
-    advances with each of its output tokens.
+    advances with each of its output tokens. `token_rules` is its logit bias, allowed ids and
+    bad words as tensors on the model's device, built once at intake for the sampler to index.
+    `params` is the engine's own validated snapshot (`SamplingParams.validated_copy`): the
+    caller's later changes to its object never reach it.
     """
 
     request_id: str
@@ -135,7 +139,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     matchers: tuple[GrammarMatcher, ...] = ()  # structured outputs: completion i's grammar
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # `params.bad_words`, tokenized once
+    token_rules: TokenRules = NO_TOKEN_RULES  # logit bias, allowed ids, bad words, as tensors
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, set at admission
     num_prompt_logprob_positions: int = 0  # prompt positions whose logits gave prompt logprobs

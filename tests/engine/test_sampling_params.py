@@ -16,6 +16,11 @@ from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
         ({"temperature": -0.1}, "temperature", "temperature must be >= 0"),
         ({"temperature": float("nan")}, "temperature", "temperature must be >= 0"),
         ({"temperature": float("inf")}, "temperature", "temperature must be finite"),
+        ({"temperature": 2.01}, "temperature", r"temperature must be in \[0, 2\]"),
+        ({"temperature": 1e308}, "temperature", r"temperature must be in \[0, 2\]"),
+        ({"logit_bias": dict.fromkeys(range(301), 1.0)}, "logit_bias", "at most 300 entries"),
+        ({"allowed_token_ids": list(range(8193))}, "allowed_token_ids", "at most 8192"),
+        ({"bad_words": ["w"] * 129}, "bad_words", "at most 128 entries"),
         ({"top_p": 0.0}, "top_p", r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, "top_p", r"top_p must be in \(0, 1\]"),
         ({"top_k": -2}, "top_k", "top_k"),
@@ -71,6 +76,11 @@ def test_normalisation():
     params = SamplingParams(stop="###", top_k=-1, temperature=0)
     assert params.stop == ["###"] and params.top_k == 0 and params.is_greedy
     assert not params.has_penalties and SamplingParams(presence_penalty=0.5).has_penalties
+
+
+def test_the_caps_themselves_are_accepted():
+    SamplingParams(temperature=2.0, logit_bias=dict.fromkeys(range(300), 1.0),
+                   allowed_token_ids=list(range(8192)), bad_words=["w"] * 128)
 
 
 def test_temperatures_below_the_sampling_epsilon_are_greedy():

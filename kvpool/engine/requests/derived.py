@@ -1,6 +1,7 @@
 """What `LLMEngine.add_request` derives once from a request and carries on its `Request`, so
 that no step has to derive it again: the hashing form of its cache salt, each completion's
-random generator and grammar matcher, and the bad words as token sequences.
+random generator and grammar matcher. (Its token rules, the bad words among them, are built by
+`kvpool.engine.sampling.token_rules`.)
 
 Per completion: a request with `n > 1` gets n generators and n matchers up front, one per
 completion index, so a completion that is not forked yet can already be sampled and each fork
@@ -19,7 +20,6 @@ from kvpool.memory.prefix_cache import SaltKey, salt_key
 
 if TYPE_CHECKING:
     from kvpool.engine.sampling.grammar import GrammarCompiler, GrammarMatcher
-    from kvpool.model.tokenizer import Tokenizer
 
 
 def cache_salt_key(cache_salt: str | None) -> SaltKey:
@@ -59,24 +59,3 @@ def grammar_matchers(
     compiled = compiler.compile(spec)
     return tuple(compiled.new_matcher() for _ in range(params.n))
 
-
-def bad_words_token_ids(
-    bad_words: list[str], tokenizer: Tokenizer | None, vocab_size: int
-) -> tuple[tuple[int, ...], ...]:
-    """Each bad word as token sequences, as vLLM reads `bad_words`: the word without its
-    leading whitespace, and the same with one leading space (how it tokenizes mid-text).
-    Duplicates are dropped; ids past the model's vocabulary could never be generated."""
-    if not bad_words:
-        return ()
-    if tokenizer is None:
-        raise InvalidRequestError("this model has no tokenizer: bad_words need one", "bad_words")
-    sequences: dict[tuple[int, ...], None] = {}  # ordered set
-    for word in bad_words:
-        word = word.lstrip()
-        if not word:
-            continue
-        for text in (word, " " + word):
-            token_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if token_ids and max(token_ids) < vocab_size:
-                sequences[token_ids] = None
-    return tuple(sequences)

@@ -1,12 +1,15 @@
 """Request intake: what a caller sends, turned once into a `Request` the scheduler can queue.
 
     prompt (text | token ids | {"prompt_token_ids": ...}), SamplingParams, id, salt
-      └─ tokenize ─ validate ─ derive (salt key, generators, grammar matchers, bad words)
+      └─ snapshot ─ tokenize ─ validate ─ derive (salt key, generators, grammar matchers,
+         token rules)
          ─ hash the prompt's full blocks ──▶ (Request, block_hashes)
 
 Everything a step would otherwise derive again is derived here, at the edge, once: a request
 that passes intake is never checked again, and the step only indexes what intake prepared
-(`kvpool.engine.requests.derived`). Intake holds the limits a request is checked against (the
+(`kvpool.engine.requests.derived`, `kvpool.engine.sampling.token_rules`). The request keeps
+`params.validated_copy()`, so what the caller changes on its params object afterwards never
+reaches it. Intake holds the limits a request is checked against (the
 model's vocabulary and length, the whole KV pool's capacity, the batch's width), never the
 engine: it knows nothing of steps.
 
@@ -26,12 +29,12 @@ import torch
 
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.requests.derived import (
-    bad_words_token_ids,
     cache_salt_key,
     grammar_matchers,
     sequence_generators,
 )
 from kvpool.engine.sampling.grammar import GrammarCompiler
+from kvpool.engine.sampling.token_rules import TokenRuleBuilder
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.sequence import Request
 from kvpool.memory.kv_memory import KVMemory
@@ -61,6 +64,8 @@ class RequestIntake:
         # Structured outputs' grammars (None without a tokenizer): callers may compile ahead.
         self.grammar_compiler = None if tokenizer is None else GrammarCompiler(
             tokenizer, model_config.vocab_size, self.eos_token_ids)
+        # Logit bias, allowed ids and bad words as tensors; callers may tokenize bad words ahead.
+        self.token_rules = TokenRuleBuilder(tokenizer, model_config.vocab_size, device)
         self._request_ids = itertools.count()
 
     def make_request(self, prompt: PromptInput, params: SamplingParams | None,
@@ -71,6 +76,7 @@ class RequestIntake:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = params.validated_copy()  # checked now, and the caller's changes stay theirs
         prompt_text, token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in ids_in_use:
@@ -80,7 +86,7 @@ class RequestIntake:
         request = Request(request_id, prompt_text, token_ids, params, time.monotonic(), salt,
                           sequence_generators(params.seed, params.n, self.device), priority,
                           cache_salt, grammar_matchers(params, self.grammar_compiler),
-                          bad_words_token_ids(params.bad_words, self.tokenizer, self.vocab_size))
+                          self.token_rules.build(params))
         return request, hash_full_blocks(token_ids, self.kv_memory.layout.block_size, salt)
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -3,9 +3,13 @@ generate, and its logit bias; and, once tokens are chosen, the grammars' advance
 
 Each function works in place on float32 logits [num_rows, vocab] and skips itself when no row
 needs it. Forbidden tokens become -inf: a grammar's (structured outputs), those outside
-`allowed_token_ids`, and bad words' (`bad_word_bans`, which the sampler bans together with
-the stop tokens of rows below `min_tokens`). Everything runs on the logits' device but the
-grammar bitmask, which xgrammar fills in host memory and which is copied over once per step.
+`allowed_token_ids`, bad words' and the stop tokens of rows below `min_tokens`
+(`apply_token_bans`). Everything runs on the logits' device but the grammar bitmask, which
+xgrammar fills in host memory and which is copied over once per step.
+
+Allowed ids, bias and bad words come as each request's `TokenRules`, tensors built at
+admission (`kvpool.engine.sampling.token_rules`): a step concatenates the rows' tensors and
+never walks a request's dict or lists in Python, so their sizes cost the step next to nothing.
 
 Grammar matchers advance here, on the sampling side, by the token chosen for their row
 (`advance_grammars`), so a matcher is always at its row's next token when the stop rules read
@@ -16,6 +20,7 @@ next fill rewinds them to the tokens their sequence really has.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -82,11 +87,11 @@ def bitmask_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_allowed_token_ids(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> None:
     """Forbid (-inf, in place) every token outside a row's `allowed_token_ids`."""
-    pairs = [(index, token_id) for index, row in enumerate(rows)
-             for token_id in row.params.allowed_token_ids or ()]
-    if not pairs:
+    limited = [(index, row.rules.allowed_token_ids) for index, row in enumerate(rows)
+               if row.rules.allowed_token_ids is not None]
+    if not limited:
         return
-    row_ids, token_ids = torch.tensor(pairs, device=logits.device).unbind(dim=1)
+    row_ids, token_ids = _concat_rows(limited, logits.device)
     is_limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     is_limited[row_ids] = True
     allowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
@@ -96,28 +101,41 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: SequenceOf[SamplingRow])
 
 def apply_logit_bias(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> None:
     """Add each row's `logit_bias` to its tokens' logits, in place."""
-    entries = [(index, token_id, bias) for index, row in enumerate(rows)
-               for token_id, bias in (row.params.logit_bias or {}).items()]
-    if not entries:
+    biased = [(index, row.rules) for index, row in enumerate(rows)
+              if row.rules.bias_token_ids is not None]
+    if not biased:
         return
+    row_ids, token_ids = _concat_rows([(index, rules.bias_token_ids)
+                                       for index, rules in biased], logits.device)
+    biases = torch.cat([rules.bias_values for _, rules in biased])
+    logits.index_put_((row_ids, token_ids), biases, accumulate=True)
+
+
+def apply_token_bans(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> None:
+    """-inf, in place, for the stop tokens of rows below `min_tokens` and for bad words: the
+    one-token words' (tensors made at admission) and the longer words' whose other tokens end
+    the output (`TokenRules.bad_word_bans`)."""
     device = logits.device
-    row_ids, token_ids, biases = zip(*entries, strict=True)
-    logits.index_put_(
-        (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)),
-        torch.tensor(biases, dtype=torch.float32, device=device),
-        accumulate=True,
-    )
+    pairs = [(index, token_id) for index, row in enumerate(rows)
+             for token_id in itertools.chain(row.banned_token_ids,
+                                             row.rules.bad_word_bans(row.output_token_ids))]
+    always = [(index, row.rules.banned_token_ids) for index, row in enumerate(rows)
+              if row.rules.banned_token_ids is not None]
+    parts = [torch.tensor(pairs, device=device).unbind(dim=1)] if pairs else []
+    if always:
+        parts.append(_concat_rows(always, device))
+    if parts:
+        row_ids, token_ids = (torch.cat(ids) for ids in zip(*parts, strict=True))
+        logits[row_ids, token_ids] = float("-inf")
 
 
-def bad_word_bans(row: SamplingRow) -> list[int]:
-    """The row's bad-word tokens banned now: a one-token word's always; a longer word's last
-    token when the output so far ends with the word's other tokens (vLLM's rule)."""
-    output = row.output_token_ids
-    banned = []
-    for word in row.bad_words_token_ids:
-        num_prefix = len(word) - 1
-        if num_prefix == 0 or (
-            len(output) >= num_prefix and tuple(output[len(output) - num_prefix:]) == word[:-1]
-        ):
-            banned.append(word[-1])
-    return banned
+def _concat_rows(
+    entries: SequenceOf[tuple[int, torch.Tensor]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row ids, token ids), [total] int64 each: every (row, its 1-d ids) entry's ids, after
+    one another, each paired with its row. One op per entry, never one per id; the lengths
+    are tensor metadata, so nothing is read back from the device."""
+    token_ids = torch.cat([ids for _, ids in entries])
+    lengths = torch.tensor([ids.shape[0] for _, ids in entries], device=device)
+    rows = torch.tensor([index for index, _ in entries], device=device)
+    return rows.repeat_interleave(lengths, output_size=token_ids.shape[0]), token_ids

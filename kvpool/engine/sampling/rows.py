@@ -1,8 +1,9 @@
 """What the sampler is told about each logits row of a step (`SamplingRow`), and how a
 scheduled batch becomes those rows (`sampling_rows`).
 
-The bottom of `kvpool.engine.sampling`: `constraints` and `sampler` import this module, and it
-imports neither (rows → constraints → sampler, one way).
+The bottom of `kvpool.engine.sampling` but for `token_rules` (which imports nothing here):
+`constraints` and `sampler` import this module, and it imports neither (token_rules → rows →
+constraints → sampler, one way).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvpool.engine.sampling.token_rules import NO_TOKEN_RULES, TokenRules
 from kvpool.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ class SamplingRow:
     generator: torch.Generator | None  # on the logits' device, for a seeded row
     banned_token_ids: tuple[int, ...] = ()  # stop tokens while below min_tokens
     matcher: TokenMask | None = None  # the sequence's grammar (structured outputs)
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # each bad word, as token ids
+    rules: TokenRules = NO_TOKEN_RULES  # the request's logit bias, allowed ids, bad words
 
 
 def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> list[SamplingRow]:
@@ -65,5 +67,5 @@ def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> lis
         rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids,
                                 request.generators[index], banned,
                                 request.matchers[index] if request.matchers else None,
-                                request.bad_words_token_ids))
+                                request.token_rules))
     return rows

@@ -51,7 +51,7 @@ from kvpool.engine.sampling.constraints import (
     apply_allowed_token_ids,
     apply_grammar_bitmask,
     apply_logit_bias,
-    bad_word_bans,
+    apply_token_bans,
 )
 from kvpool.engine.sampling.rows import SamplingRow
 
@@ -105,7 +105,7 @@ def choose_token_ids(
     logits = logits.to(torch.float32, copy=needs_writes)  # [num_rows, vocab]
     apply_grammar_bitmask(logits, rows)
     apply_allowed_token_ids(logits, rows)
-    _ban_tokens(logits, rows)
+    apply_token_bans(logits, rows)
     apply_logit_bias(logits, rows)
     apply_penalties(logits, rows)
     # Greedy rows' answer, and the fallback of random rows whose probabilities are unusable.
@@ -119,10 +119,8 @@ def choose_token_ids(
 
 
 def _writes_logits(row: SamplingRow) -> bool:
-    params = row.params
-    return bool(params.has_penalties or row.banned_token_ids or row.matcher is not None
-                or params.logit_bias or params.allowed_token_ids is not None
-                or row.bad_words_token_ids)
+    return bool(row.params.has_penalties or row.banned_token_ids or row.matcher is not None
+                or not row.rules.is_empty)
 
 
 def raw_logprobs_of(logits: torch.Tensor, row_indices: list[int]) -> torch.Tensor:
@@ -135,18 +133,6 @@ def _finite_argmax(logits: torch.Tensor) -> torch.Tensor:
     # argmax takes NaN for the maximum; a NaN or infinite logit must never be chosen.
     minus_inf = float("-inf")
     return logits.nan_to_num(nan=minus_inf, posinf=minus_inf, neginf=minus_inf).argmax(dim=-1)
-
-
-def _ban_tokens(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> None:
-    """-inf, in place, for the stop tokens of rows below `min_tokens` and for bad words."""
-    pairs = [
-        (index, token_id)
-        for index, row in enumerate(rows)
-        for token_id in itertools.chain(row.banned_token_ids, bad_word_bans(row))
-    ]
-    if pairs:
-        row_ids, token_ids = torch.tensor(pairs, device=logits.device).unbind(dim=1)
-        logits[row_ids, token_ids] = float("-inf")
 
 
 def _sample(

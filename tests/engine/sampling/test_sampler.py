@@ -19,7 +19,6 @@ from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.sampling.constraints import (
     apply_allowed_token_ids,
     apply_logit_bias,
-    bad_word_bans,
     bitmask_penalty,
 )
 from kvpool.engine.sampling.rows import SamplingRow
@@ -30,14 +29,20 @@ from kvpool.engine.sampling.sampler import (
     choose_token_ids,
     raw_logprobs_of,
 )
+from kvpool.engine.sampling.token_rules import TokenRules
 from kvpool.engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_all
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
 
 
-def row(generator=None, banned=(), prompt=(), output=(), **options) -> SamplingRow:
-    return SamplingRow(SamplingParams(**options), list(prompt), list(output), generator, banned)
+def row(generator=None, banned=(), prompt=(), output=(), device="cpu", bad_words=(),
+        **options) -> SamplingRow:
+    """A row whose token rules are built as intake builds them (bad words as token ids)."""
+    params = SamplingParams(**options)
+    rules = TokenRules.from_token_ids(params.logit_bias, params.allowed_token_ids,
+                                      [tuple(word) for word in bad_words], torch.device(device))
+    return SamplingRow(params, list(prompt), list(output), generator, banned, rules=rules)
 
 
 def test_greedy_takes_the_argmax_and_banned_tokens_are_skipped():
@@ -350,9 +355,8 @@ class AllowOnly:
         return True
 
 
-def constrained(matcher=None, bad_words=(), **options) -> SamplingRow:
-    return dataclasses.replace(row(**options), matcher=matcher,
-                               bad_words_token_ids=tuple(tuple(word) for word in bad_words))
+def constrained(matcher=None, **options) -> SamplingRow:
+    return dataclasses.replace(row(**options), matcher=matcher)
 
 
 @pytest.mark.parametrize("vocab_size", [5, 32, 70])
@@ -422,9 +426,11 @@ def test_allowed_token_ids_limit_their_row():
 
 def test_bad_words_ban_single_tokens_always_and_last_tokens_after_their_prefix():
     words = [(1,), (3, 2), (0, 3, 4)]
-    assert bad_word_bans(constrained(bad_words=words, output=[])) == [1]
-    assert bad_word_bans(constrained(bad_words=words, output=[4, 3])) == [1, 2]
-    assert bad_word_bans(constrained(bad_words=words, output=[0, 3])) == [1, 2, 4]
+    rules = row(bad_words=words).rules
+    assert rules.banned_token_ids.tolist() == [1]
+    assert rules.bad_word_bans([]) == []
+    assert rules.bad_word_bans([4, 3]) == [2]
+    assert rules.bad_word_bans([0, 3]) == [2, 4]
     rows = [constrained(bad_words=words, temperature=0, output=[3]),  # 1 and 2 banned
             constrained(bad_words=words, temperature=0, output=[2])]  # only 1
     assert Sampler()(LOGITS.repeat(2, 1), rows).token_ids == [0, 2]
@@ -443,9 +449,10 @@ def test_the_grammar_path_follows_the_logits_device_but_for_its_host_bitmask():
     # xgrammar fills the bitmask in host memory: it is the only tensor off the logits' device
     # (made, filled, copied over); everything after the copy is on the device.
     device = torch.device("meta")
-    rows = [constrained(AllowOnly(1), temperature=0, logit_bias={2: 1.0}, bad_words=[(5,)]),
-            row(temperature=1.0, allowed_token_ids=[3, 7]),
-            constrained(AllowOnly(9, 10), temperature=0.7, top_k=3)]
+    rows = [constrained(AllowOnly(1), temperature=0, logit_bias={2: 1.0}, bad_words=[(5,)],
+                        device=device),
+            row(temperature=1.0, allowed_token_ids=[3, 7], device=device),
+            constrained(AllowOnly(9, 10), temperature=0.7, top_k=3, device=device)]
     logits = torch.empty(len(rows), 64, device=device)
     recorder = HostTensorRecorder(device)
     with torch.inference_mode(), recorder:
@@ -487,7 +494,7 @@ def test_engine_allowed_token_ids_and_bad_words(make_engine, smollm2):
     encode = smollm2.tokenizer.encode
     request = engine.add_request(prompt, SamplingParams(bad_words=["  Paris", "Paris"]))
     expected = {tuple(encode("Paris", False)), tuple(encode(" Paris", False))}
-    assert set(request.bad_words_token_ids) == expected  # stripped, both forms, no repeats
+    assert set(request.token_rules.bad_words_token_ids) == expected  # stripped, both forms, once
     engine.abort_request(request.request_id)
 
 
