@@ -129,7 +129,21 @@ class LLM:
         return request_ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finishes. If a step raises, or the user presses Ctrl-C
+        (KeyboardInterrupt), the requests still pending are aborted before the error goes on:
+        none stays queued to run inside the next `generate`."""
         pending = set(request_ids)
+        try:
+            return self._step_until_done(request_ids, pending, use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
+                if request_id in pending:
+                    self.engine.abort_request(request_id)
+            raise
+
+    def _step_until_done(
+        self, request_ids: list[str], pending: set[str], use_tqdm: bool
+    ) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm)
         num_output_tokens = 0
