@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
+from kvpool.cli.serve_vllm_flags import add_vllm_serve_args, cors_config_from_args, resolve_model
 
 if TYPE_CHECKING:
     from kvpool.server.config import ServerConfig
@@ -92,9 +93,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="accepted for vLLM command lines: tool_choice auto is always on",
     )
     group.add_argument(
-        "--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
-        help="uvicorn's log level, in any case (default info)",
+        "--log-level", "--uvicorn-log-level", default="info", type=str.lower,
+        choices=LOG_LEVELS, help="uvicorn's log level, in any case (default info)",
     )
+    add_vllm_serve_args(group)
     parser.set_defaults(func=run)
 
 
@@ -118,6 +120,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        max_logprobs=args.max_logprobs,
+        cors=cors_config_from_args(args),
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
 
 
@@ -152,8 +157,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.engine import LLMEngine
     from kvpool.server.app import build_app
     from kvpool.server.graceful import GracefulServer
+    from kvpool.server.startup import log_startup_summary
 
     try:
+        resolve_model(args)
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
     except (ValueError, OSError) as error:
@@ -168,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=max(1, round(server_config.shutdown_grace_seconds)),
     )
+    log_startup_summary(engine.engine, server_config.model_name)
     server = GracefulServer(uvicorn_config, on_shutdown=app.state.kvpool.begin_shutdown)
     server.run()
     return 0
