@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "kvpool.cli.simulate",
     "kvpool.cli.bench",
     "kvpool.cli.inspect",
+    "kvpool.cli.export_tokenizer",
 )
 
 
