@@ -14,7 +14,8 @@ TASKS = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_eval" / "tasks"
 
 
 def test_the_committed_data_is_the_scripts() -> None:
-    committed = [json.loads(line) for line in (DATA_DIR / "capitals.jsonl").read_text().splitlines()]
+    lines = (DATA_DIR / "capitals.jsonl").read_text().splitlines()
+    committed = [json.loads(line) for line in lines]
     assert committed == rows()
     assert len(committed) == 60
     for row, (country, capital) in zip(committed, CAPITALS, strict=True):
