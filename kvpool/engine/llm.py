@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from kvpool.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvpool.engine.chat_prompts import as_conversations, chat_prompts
 from kvpool.engine.engine import LLMEngine, PromptInput
-from kvpool.engine.metrics_reader import Metric, read_metrics
+from kvpool.engine.metrics_reader import LatencyRecorder, Metric, read_metrics
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.engine.vllm_compat import engine_config
@@ -47,6 +47,7 @@ class LLM:
         config = engine_config(model, engine_options)
         self.engine = LLMEngine(config)
         self.model_name = config.load.model
+        self.latencies = LatencyRecorder()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -54,6 +55,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = engine
         llm.model_name = engine.config.load.model
+        llm.latencies = LatencyRecorder()
         return llm
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
@@ -140,7 +142,7 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges as vLLM's metric records, vLLM-named
         (`kvpool.engine.metrics_reader`)."""
-        return read_metrics(self.engine, self.model_name or "default")
+        return read_metrics(self.engine, self.model_name or "default", self.latencies)
 
     def _add_all(
         self,
@@ -190,6 +192,7 @@ class LLM:
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
                         finished[output.request_id] = output
+                        self.latencies.record(output.metrics)
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         progress.update(1)
                         rate = num_output_tokens / max(progress.format_dict["elapsed"], 1e-9)

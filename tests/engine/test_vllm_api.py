@@ -146,7 +146,7 @@ def test_beam_search_params_are_checked():
 
 # ------------------------------------------------------------------ metrics
 def test_get_metrics_counts_tokens_under_vllm_names(tiny_dir):
-    from kvpool.engine.metrics_reader import Counter, Gauge
+    from kvpool.engine.metrics_reader import Counter, Gauge, Histogram
 
     llm = LLM(str(tiny_dir), **SMALL)
     llm.generate([[5, 6, 7], [8, 9]], _greedy(4), use_tqdm=False)
@@ -159,3 +159,9 @@ def test_get_metrics_counts_tokens_under_vllm_names(tiny_dir):
     assert metrics["vllm:num_requests_waiting"].value == 0
     assert metrics["vllm:kv_cache_usage_perc"].value == 0.0
     assert metrics["vllm:prompt_tokens"].tags["model_name"] == str(tiny_dir)
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        histogram = metrics[name]
+        assert isinstance(histogram, Histogram)
+        assert histogram.count == 2 and histogram.buckets["+Inf"] == 2 and histogram.sum > 0
+        counts = list(histogram.buckets.values())
+        assert counts == sorted(counts)  # cumulative
