@@ -51,3 +51,31 @@ def test_an_interrupted_generate_aborts_its_requests(tiny_dir, monkeypatch, erro
     outputs = llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected[:1]
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("model failed"), KeyboardInterrupt()],
+                         ids=["model-raises", "ctrl-c-in-model"])
+def test_a_failure_inside_a_step_is_rolled_back_then_aborted(tiny_dir, monkeypatch, error):
+    """The model raises mid-step (after the scheduler admitted and allocated): the engine rolls
+    the step back, then `generate` aborts its requests; every block is free again."""
+    llm = LLM(str(tiny_dir), **SMALL)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def execute(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise error
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    with pytest.raises(type(error)):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.engine.request_counts() == (0, 0)
+    assert llm.memory_stats().num_used_blocks == 0
+    llm.engine.check_invariants()
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
