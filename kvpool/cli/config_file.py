@@ -30,13 +30,13 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
     """`argv` with `--config FILE` replaced by the file's flags (see the module docstring)."""
     if not argv or argv[0].startswith("-"):
         return argv
-    command, rest = argv[0], argv[1:]
-    path, rest = _take_config_flag(rest)
-    if path is None:
-        return argv
+    command = argv[0]
     subparser = _subparsers(parser).get(command)
     if subparser is None or CONFIG_FLAG not in subparser._option_string_actions:
-        raise ValueError(f"kvpool {command} takes no {CONFIG_FLAG}")
+        return argv  # a command without --config: argparse judges its arguments as they are
+    path, rest = _take_config_flag(argv[1:])
+    if path is None:
+        return argv
     return [command, *config_file_args(subparser, Path(path)), *rest]
 
 
@@ -82,6 +82,8 @@ def _text(value: Any) -> str:
 def _take_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
     """(the `--config` value, the other arguments); (None, args) without one."""
     for index, arg in enumerate(args):
+        if arg == "--":  # what follows is positional, never a flag
+            break
         if arg == CONFIG_FLAG:
             if index + 1 >= len(args):
                 raise ValueError(f"{CONFIG_FLAG} needs a file")
