@@ -19,6 +19,8 @@ import sys
 from collections.abc import Sequence
 from importlib import import_module
 
+from kvpool.cli.config_file import expand_config_file
+
 COMMAND_MODULES = (
     "kvpool.cli.demo",
     "kvpool.cli.generate",
@@ -28,6 +30,7 @@ COMMAND_MODULES = (
     "kvpool.cli.simulate",
     "kvpool.cli.bench",
     "kvpool.cli.inspect",
+    "kvpool.cli.export_tokenizer",
 )
 
 
@@ -43,7 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Bad input (a ValueError, a missing file) is reported in one line."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        argv = expand_config_file(parser, list(sys.argv[1:] if argv is None else argv))
+    except (ValueError, OSError) as error:
+        print(f"kvpool: error: --config: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         if _is_torchrun_worker(args):
             return _run_torchrun_worker(args)

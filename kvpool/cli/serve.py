@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
+from kvpool.cli.serve_vllm_flags import add_vllm_serve_args, cors_config_from_args, resolve_model
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
@@ -99,9 +100,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="accepted for vLLM command lines: tool_choice auto is always on",
     )
     group.add_argument(
-        "--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
-        help="uvicorn's log level, in any case (default info)",
+        "--log-level", "--uvicorn-log-level", default="info", type=str.lower,
+        choices=LOG_LEVELS, help="uvicorn's log level, in any case (default info)",
     )
+    add_vllm_serve_args(group)
     parser.set_defaults(func=run)
 
 
@@ -126,6 +128,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
         tenant_salts=TenantSalts.resolve(args.cache_salt_secret_file, args.kv_disk_cache),
+        max_logprobs=args.max_logprobs,
+        cors=cors_config_from_args(args),
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
 
 
@@ -169,8 +174,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.engine import LLMEngine
     from kvpool.server.app import build_app
     from kvpool.server.graceful import GracefulServer
+    from kvpool.server.startup import log_startup_summary
 
     try:
+        resolve_model(args)
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
         check_kv_events_exposure(engine_config, server_config)
@@ -186,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=max(1, round(server_config.shutdown_grace_seconds)),
     )
+    log_startup_summary(engine.engine, server_config.model_name)
     server = GracefulServer(uvicorn_config, on_shutdown=app.state.kvpool.begin_shutdown)
     server.run()
     return 0

@@ -22,11 +22,13 @@ from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.openai.errors import install_error_handlers
 from kvpool.openai.middleware import AccessPolicy, AuthMiddleware, BodyLimitMiddleware
 from kvpool.server.config import ServerConfig
+from kvpool.server.cors import install_cors
 from kvpool.server.generation import ServerState
 from kvpool.server.kv_event_routes import router as kv_event_router
 from kvpool.server.kv_routes import router as kv_router
 from kvpool.server.metrics import ServerMetrics
 from kvpool.server.routes import router
+from kvpool.server.tokenizer_info import router as tokenizer_info_router
 from kvpool.server.utility_routes import router as utility_router
 
 
@@ -57,11 +59,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     app.include_router(utility_router)
     app.include_router(kv_router)
     app.include_router(kv_event_router)
+    if config.enable_tokenizer_info_endpoint:
+        app.include_router(tokenizer_info_router)
     # Added last = runs first: authentication before the body is even read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     policy = AccessPolicy(config.api_keys, config.metrics_api_keys,
                           config.allow_unauthenticated_metrics, config.admin_api_keys)
     app.add_middleware(AuthMiddleware, policy=policy)
+    install_cors(app, config.cors)  # outermost: a preflight is answered before auth's 401
     _drop_422_from_openapi(app)
     return app
 

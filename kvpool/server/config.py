@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpool.openai.auth import ADMIN_TENANT, ApiKeyTable, TenantSalts
+from kvpool.server.cors import CorsConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -57,6 +58,8 @@ class ServerConfig:
     chat_template: str | None = None  # Jinja text replacing the model's (--chat-template)
     tool_call_parser: str = "hermes"  # how tool calls are read from output (--tool-call-parser)
     tenant_salts: TenantSalts = field(default_factory=TenantSalts.resolve, repr=False)
+    cors: CorsConfig = field(default_factory=CorsConfig)  # browsers' cross-origin access
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (as vLLM's flag)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

@@ -9,7 +9,8 @@ import sys
 
 from kvpool.cli import build_parser
 
-COMMANDS = {"demo", "generate", "chat", "serve", "router", "simulate", "bench", "inspect"}
+COMMANDS = {"demo", "generate", "chat", "serve", "router", "simulate", "bench", "inspect",
+            "export-tokenizer"}
 HEAVY_MODULES = ("torch", "triton", "transformers", "numpy", "fastapi", "uvicorn", "gguf")
 # A fresh interpreter: this test process has long imported torch through other tests.
 PROBE = f"""

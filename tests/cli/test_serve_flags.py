@@ -103,3 +103,76 @@ def test_a_metrics_key_and_open_metrics_together_are_an_error(capsys) -> None:
             "--allow-unauthenticated-metrics"]
     assert main(argv) == 2
     assert "not both" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ vLLM's serve flags (issue 28.10)
+def _serve_args(argv: list[str]):
+    from kvpool.cli.config_file import expand_config_file
+    from kvpool.cli.serve_vllm_flags import resolve_model
+
+    parser = build_parser()
+    args = parser.parse_args(expand_config_file(parser, argv))
+    resolve_model(args)
+    return args
+
+
+@pytest.mark.parametrize("argv", [["serve", "--model", "tiny"], ["serve", "tiny"],
+                                  ["serve", "tiny", "--model", "tiny"]])
+def test_the_model_is_a_flag_or_positional(argv: list[str]) -> None:
+    args = _serve_args(argv)
+    assert args.model == "tiny"
+    assert server_config_from_args(args).served_model_names == ("tiny",)
+
+
+def test_two_different_models_are_refused(capsys) -> None:
+    assert main(["serve", "tiny", "--model", "other", "--load-format", "dummy"]) == 2
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_a_yaml_config_file_gives_flags_and_the_command_line_wins(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: tiny\nload_format: dummy\nport: 8123\nhost: 0.0.0.0\n"
+        "served-model-name: [a, b]\napi-key: [key-1, key-2]\nenable-prefix-caching: false\n"
+        "max-logprobs: 5\nallowed-origins: ['https://app.example']\n"
+        "enable-tokenizer-info-endpoint: true\nuvicorn-log-level: WARNING\n"
+        "override-generation-config: {temperature: 0.5}\n")
+    args = _serve_args(["serve", "--config", str(config), "--port", "9000"])
+    assert (args.model, args.load_format, args.host, args.port) == ("tiny", "dummy",
+                                                                    "0.0.0.0", 9000)
+    assert args.enable_prefix_caching is False and args.log_level == "warning"
+    assert args.override_generation_config == {"temperature": 0.5}
+    server = server_config_from_args(args)
+    assert server.served_model_names == ("a", "b")
+    assert server.api_keys.authenticate("Bearer key-2") == "default"
+    assert server.max_logprobs == 5 and server.enable_tokenizer_info_endpoint
+    assert server.cors.allowed_origins == ("https://app.example",)
+    assert _serve_args(["serve", f"--config={config}"]).port == 8123
+
+
+def test_a_config_file_with_an_unknown_key_is_refused(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("modle: tiny\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "unknown option 'modle'" in capsys.readouterr().err
+
+
+def test_cors_flags_take_vllm_json_lists_or_plain_values() -> None:
+    args = _serve_args(["serve", "--allowed-origins", '["https://a.example", "https://b"]',
+                        "--allowed-methods", "GET", "POST", "--allow-credentials"])
+    cors = server_config_from_args(args).cors
+    assert cors.allowed_origins == ("https://a.example", "https://b")
+    assert cors.allowed_methods == ("GET", "POST") and cors.allowed_headers == ("*",)
+    assert cors.allow_credentials
+    defaults = server_config_from_args(_serve_args(["serve"]))
+    assert defaults.cors.allowed_origins == ("*",) and not defaults.cors.allow_credentials
+    assert defaults.max_logprobs == 20 and not defaults.enable_tokenizer_info_endpoint
+
+
+def test_credentials_with_a_wildcard_origin_are_refused(capsys) -> None:
+    assert main(["serve", "tiny", "--load-format", "dummy", "--allow-credentials"]) == 2
+    assert "--allow-credentials needs --allowed-origins" in capsys.readouterr().err
+
+
+def test_uvicorn_log_level_is_vllms_name_for_the_log_level() -> None:
+    assert build_parser().parse_args(["serve", "--uvicorn-log-level", "debug"]).log_level == "debug"

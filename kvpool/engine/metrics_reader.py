@@ -1,0 +1,112 @@
+"""`LLM.get_metrics()`: the engine's counters as vLLM's metric records (`Counter`, `Gauge`,
+`Histogram` with `name`, `tags` and values, as `vllm.v1.metrics.reader` has them), under the
+`vllm:` names vLLM's Prometheus metrics and Grafana dashboards use for the same facts.
+
+Every value is read from the engine's own records (`LLMEngine.stats()`, the block pool's
+snapshot, the scheduler's counts) when called: nothing is kept here, so the reader costs the
+engine nothing between calls. The request-latency histograms are the exception: the engine
+keeps no per-request history, so `LLM` records each finished request it hands back
+(`LatencyRecorder`), and only requests run through that `LLM` are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.requests.outputs import RequestMetrics
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric's name and labels (vLLM's `tags`, e.g. {"model_name": ...})."""
+
+    name: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Counter(Metric):
+    """A total that only grows (between `reset_stats` calls)."""
+
+    value: int = 0
+
+
+@dataclass(frozen=True)
+class Gauge(Metric):
+    """A value now."""
+
+    value: float = 0.0
+
+
+@dataclass(frozen=True)
+class Histogram(Metric):
+    """Observations: their count, sum and cumulative counts per upper bound ("+Inf" last)."""
+
+    count: int = 0
+    sum: float = 0.0
+    buckets: dict[str, int] = field(default_factory=dict)
+
+
+# vLLM's bucket bounds (seconds) for the two request-latency histograms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class LatencyRecorder:
+    """Time to first token and end-to-end latency of the finished requests `LLM` hands back
+    (the engine keeps no per-request history): counts per bucket, their count and sum."""
+
+    def __init__(self) -> None:
+        self.observations: dict[str, list[float]] = {
+            "vllm:time_to_first_token_seconds": [], "vllm:e2e_request_latency_seconds": []}
+
+    def record(self, metrics: RequestMetrics | None) -> None:
+        if metrics is None:
+            return
+        if metrics.first_token_time is not None:
+            ttft = metrics.first_token_time - metrics.arrival_time
+            self.observations["vllm:time_to_first_token_seconds"].append(ttft)
+        if metrics.finish_time is not None:
+            e2e = metrics.finish_time - metrics.arrival_time
+            self.observations["vllm:e2e_request_latency_seconds"].append(e2e)
+
+    def histograms(self, tags: dict[str, str]) -> list[Histogram]:
+        bounds = {"vllm:time_to_first_token_seconds": TTFT_BUCKETS,
+                  "vllm:e2e_request_latency_seconds": E2E_BUCKETS}
+        return [_histogram(name, tags, values, bounds[name])
+                for name, values in self.observations.items()]
+
+
+def _histogram(name: str, tags: dict[str, str], values: list[float],
+               bounds: tuple[float, ...]) -> Histogram:
+    buckets = {str(bound): sum(value <= bound for value in values) for bound in bounds}
+    buckets["+Inf"] = len(values)
+    return Histogram(name, tags, len(values), sum(values), buckets)
+
+
+def read_metrics(engine: LLMEngine, model_name: str,
+                 latencies: LatencyRecorder | None = None) -> list[Metric]:
+    """The engine's metrics now, vLLM-named; with `latencies`, its histograms too."""
+    tags = {"model_name": model_name, "engine": "0"}
+    histograms = [] if latencies is None else latencies.histograms(tags)
+    stats = engine.stats()
+    pool = engine.memory_stats()
+    num_running, num_waiting = engine.request_counts()
+    return [
+        Gauge("vllm:num_requests_running", tags, float(num_running)),
+        Gauge("vllm:num_requests_waiting", tags, float(num_waiting)),
+        Gauge("vllm:kv_cache_usage_perc", tags, pool.usage),
+        Counter("vllm:prefix_cache_queries", tags, pool.prefix_cache_queries_tokens),
+        Counter("vllm:prefix_cache_hits", tags, pool.prefix_cache_hits_tokens),
+        Counter("vllm:num_preemptions", tags, stats.num_preemptions),
+        Counter("vllm:prompt_tokens", tags, stats.num_prompt_tokens),
+        Counter("vllm:generation_tokens", tags, stats.num_generated_tokens),
+        Counter("kvpool:num_steps", tags, stats.num_steps),
+        Gauge("kvpool:peak_used_blocks", tags, float(stats.peak_used_blocks)),
+        *histograms,
+    ]
