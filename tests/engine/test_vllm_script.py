@@ -1,14 +1,10 @@
 """A vLLM offline script runs with only its imports changed (`vllm` -> `kvpool`): the
 import paths, the default sampling params edited for one call, chat with template kwargs,
-token prompts with priorities, beam search and metrics, as vLLM's own examples use them.
-
-`sp.max_tokens = N` (vLLM's chat example) needs a mutable SamplingParams (issue 28 point 8,
-another change); until then the script takes its own copy with `dataclasses.replace`.
+token prompts with priorities, beam search and metrics, as vLLM's own examples use them
+(`sp.max_tokens = N` on the defaults is vLLM's chat example).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 VLLM_SCRIPT = '''
 from kvpool import LLM
@@ -17,7 +13,9 @@ from kvpool.outputs import RequestOutput
 from kvpool.sampling_params import BeamSearchParams, SamplingParams
 
 llm = LLM.from_engine(engine)
-sp = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=8, temperature=0.0)
+sp = llm.get_default_sampling_params()
+sp.max_tokens = 8
+sp.temperature = 0.0
 conversation = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name a color."}]
 chat_outputs = llm.chat(conversation, sp, use_tqdm=False,
@@ -33,7 +31,7 @@ metrics = {m.name: m for m in llm.get_metrics()}
 
 def test_a_vllm_script_runs_with_its_imports_changed(make_engine):
     engine = make_engine(kv_cache_memory=16 << 20, enable_warmup=False)
-    scope = {"engine": engine, "dataclasses": dataclasses}
+    scope = {"engine": engine}
     exec(compile(VLLM_SCRIPT, "vllm_script.py", "exec"), scope)
     [chat] = scope["chat_outputs"]
     assert isinstance(chat, scope["RequestOutput"]) and chat.finished
