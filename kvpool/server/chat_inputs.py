@@ -44,13 +44,14 @@ def chat_inputs(
     if request.continue_final_message and request.add_generation_prompt:
         raise bad_request("continue_final_message needs add_generation_prompt false",
                           "continue_final_message")
-    prompt, plan = chat_prompt(request, engine.tokenizer, config.chat_template)
+    prompt, plan = chat_prompt(request, engine.tokenizer, config.chat_template,
+                               engine.prompt_limits)
     constraint = request_constraint(request)
     if constraint is not None and plan.constraint is not None:
         raise bad_request("tool_choice required or a named function constrains the output "
                           "itself: leave out response_format and structured_outputs",
                           "tool_choice")
-    check_prompt_length(len(prompt.token_ids), engine.max_model_len, "messages")
+    check_prompt_length(engine.prompt_limits, len(prompt.token_ids), "messages")
     logprobs = _logprobs(request, config)
     compile_tool_constraint(engine, plan)
     if constraint is not None:
