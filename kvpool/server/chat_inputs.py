@@ -36,7 +36,7 @@ from kvpool.server.unsupported import check_supported
 logger = logging.getLogger(__name__)
 
 def chat_inputs(
-    request: ChatCompletionRequest, engine: Any, config: ServerConfig
+    request: ChatCompletionRequest, engine: Any, config: ServerConfig, grammars: Any
 ) -> EngineInputs:
     check_supported(request)
     if not request.messages:
@@ -53,9 +53,9 @@ def chat_inputs(
                           "tool_choice")
     check_prompt_length(engine.prompt_limits, len(prompt.token_ids), "messages")
     logprobs = _logprobs(request, config)
-    compile_tool_constraint(engine, plan)
+    compile_tool_constraint(grammars, plan)
     if constraint is not None:
-        compile_constraint(engine, constraint)
+        compile_constraint(grammars, constraint)
     chosen = plan.constraint or constraint
     parser = get_tool_parser(config.tool_call_parser)
     defaults = engine_defaults(engine)

@@ -19,7 +19,8 @@ The output kind is chosen here too: a stream asks for `DELTA` outputs (each carr
 is new), a whole response for `FINAL_ONLY` (one output, at the end, with everything).
 
 Tokenization and grammar compilation happen off the event loop (routes call these functions
-through a worker thread); the tokenizer is only read, never reconfigured, so that is safe
+through the input executor, `kvpool.server.input_work`; grammars compile within their bounds,
+`kvpool.server.grammar_bounds`); the tokenizer is only read, never reconfigured, so that is safe
 beside the engine thread.
 """
 
@@ -57,8 +58,10 @@ class EngineInputs:
 
 
 def completion_inputs(
-    request: CompletionRequest, engine: Any, config: ServerConfig
+    request: CompletionRequest, engine: Any, config: ServerConfig, grammars: Any
 ) -> EngineInputs:
+    """`grammars` compiles constraints (`compile(spec)`): the request's tenant's bounded
+    compiler (`kvpool.server.grammar_bounds`)."""
     check_supported(request)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
@@ -71,7 +74,7 @@ def completion_inputs(
         raise bad_request(f"logprobs must be in [0, {config.max_logprobs}]", "logprobs")
     constraint = request_constraint(request)
     if constraint is not None:
-        compile_constraint(engine, constraint)
+        compile_constraint(grammars, constraint)
     echo = bool(request.echo)
     is_echo_only = echo and request.max_tokens == 0
     if echo:

@@ -90,7 +90,7 @@ async def kv_explain(body: ExplainRequest, request: Request) -> Response:
         salt = derive_cache_salt(request.state.tenant, body.cache_salt)
     except InvalidRequestError as error:
         raise bad_request(str(error), error.param) from error
-    token_ids = await asyncio.to_thread(_prompt_token_ids, body, state)
+    token_ids = await state.input_work.run(request.state.tenant, _prompt_token_ids, body, state)
     reveal = bool(request.state.sees_all_tenants)
     try:
         explanation = await state.engine.call_on_engine(

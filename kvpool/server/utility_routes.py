@@ -129,8 +129,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages", "prompt")
     tokenizer = _tokenizer(state, "prompt" if body.messages is None else "messages")
-    token_ids = await asyncio.to_thread(_token_ids, tokenizer, body, state.config.chat_template,
-                                       state.engine.prompt_limits)
+    token_ids = await state.input_work.run(request.state.tenant, _token_ids, tokenizer, body,
+                                           state.config.chat_template,
+                                           state.engine.prompt_limits)
     token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(token_ids), max_model_len=state.engine.max_model_len,
                             tokens=token_ids, token_strs=token_strs)

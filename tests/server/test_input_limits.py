@@ -73,3 +73,43 @@ def test_text_under_the_bound_is_tokenized_and_checked_in_tokens(
     assert encode_calls == [15000]
     ok = post(server, "/v1/completions", {"model": MODEL, "prompt": "word " * 10, "max_tokens": 1})
     assert ok.status_code == 200
+
+
+@pytest.fixture
+def grammar_server(make_server) -> RunningServer:
+    config = ServerConfig(served_model_names=(MODEL,), max_grammar_chars=1000,
+                          grammar_compile_timeout=0.5, input_workers=2)
+    return make_server(config)
+
+
+def test_a_regex_that_compiles_for_seconds_gets_400_at_the_timeout(
+    grammar_server: RunningServer,
+) -> None:
+    """`.{0,1000}` compiles for seconds here (`.{0,100000}`, issue 28's, for longer)."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+            "structured_outputs": {"regex": ".{0,1000}"}}
+    response = post(grammar_server, "/v1/completions", body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "structured_outputs.regex"
+    assert error["message"].startswith("the regex did not compile within 0.5 s")
+
+
+def test_a_schema_over_max_grammar_chars_gets_400(make_server) -> None:
+    # A timeout no compile reaches here: only the size is under test.
+    config = ServerConfig(served_model_names=(MODEL,), max_grammar_chars=1000,
+                          grammar_compile_timeout=120)
+    grammar_server = make_server(config)
+    properties = {f"field_{i}": {"type": "string"} for i in range(60)}
+    schema = {"type": "object", "properties": properties}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "s", "schema": schema}}}
+    response = post(grammar_server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert error["message"].endswith("characters; at most 1000 are accepted")
+    small = {**body, "response_format": {"type": "json_object"}}
+    ok = post(grammar_server, "/v1/chat/completions", small)
+    assert ok.status_code == 200, ok.text
