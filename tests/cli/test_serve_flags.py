@@ -103,3 +103,16 @@ def test_a_metrics_key_and_open_metrics_together_are_an_error(capsys) -> None:
             "--allow-unauthenticated-metrics"]
     assert main(argv) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_input_limit_flags_build_the_server_config() -> None:
+    defaults = server_config_from_args(build_parser().parse_args(["serve"]))
+    assert (defaults.input_workers, defaults.max_grammar_chars,
+            defaults.grammar_compile_timeout) == (4, 131_072, 1.0)
+    config = server_config_from_args(build_parser().parse_args([
+        "serve", "--input-workers", "2", "--max-grammar-chars", "5000",
+        "--grammar-compile-timeout", "0.25"]))
+    assert (config.input_workers, config.max_grammar_chars,
+            config.grammar_compile_timeout) == (2, 5000, 0.25)
+    with pytest.raises(ValueError, match="input_workers must be at least 1"):
+        server_config_from_args(build_parser().parse_args(["serve", "--input-workers", "0"]))
