@@ -8,11 +8,14 @@ tenant at a time in turn, so that one tenant's backlog cannot starve another.
 A thread pool's one FIFO queue lets a tenant that sends a hundred slow inputs (megabyte
 prompts to tokenize, chat templates to render) put another tenant's one small request behind
 all of them; here that request waits for at most one task per other tenant with work (per
-worker), whatever their backlogs.
+worker), whatever their backlogs. A tenant also runs at most `max_running_per_tenant` tasks at
+once (default: half the workers), so a newcomer usually finds a worker free at once instead of
+waiting for one of the busy tenant's slow tasks to end; a tenant at its cap is passed over
+(it keeps its place in the ring).
 
-Invariants: a tenant is in the ring exactly when its queue is non-empty; every submitted task
-runs once, or its future is cancelled (a caller that cancelled it before it started); after
-`shutdown` no task starts.
+Invariants: a tenant is in the ring exactly when its queue is non-empty; no tenant runs more
+than `max_running_per_tenant` tasks; every submitted task runs once, or its future is
+cancelled (a caller that cancelled it before it started); after `shutdown` no task starts.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ _Task = tuple[Future, Callable[..., Any], tuple[Any, ...]]
 class FairExecutor:
     """Bounded workers, round-robin over tenants' FIFO queues (module docstring)."""
 
-    def __init__(self, num_workers: int, name: str = "kvpool-input") -> None:
+    def __init__(self, num_workers: int, name: str = "kvpool-input",
+                 max_running_per_tenant: int | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.num_workers = num_workers
+        self.max_running_per_tenant = max_running_per_tenant or max(1, num_workers // 2)
+        self._num_running: dict[str, int] = {}  # tenant -> its tasks running now (> 0)
         self._lock = threading.Condition()
         # The ring: tenants with queued tasks, in turn order (first = next served).
         self._queues: OrderedDict[str, deque[_Task]] = OrderedDict()
@@ -78,29 +84,48 @@ class FairExecutor:
             for thread in self._threads:
                 thread.join()
 
-    def _next_task(self) -> _Task | None:
-        """The ring's first tenant's oldest task (the tenant moves to the ring's end, or
-        leaves it when this was its last); None once shut down."""
+    def _next_task(self) -> tuple[str, _Task] | None:
+        """The oldest task of the first tenant in the ring below its running cap (the tenant
+        moves to the ring's end, or leaves it when this was its last); None once shut down."""
         with self._lock:
-            while not self._queues and not self._is_shut_down:
+            while not self._is_shut_down:
+                tenant = self._first_eligible()
+                if tenant is not None:
+                    queue = self._queues.pop(tenant)
+                    task = queue.popleft()
+                    if queue:
+                        self._queues[tenant] = queue
+                    self._num_running[tenant] = self._num_running.get(tenant, 0) + 1
+                    return tenant, task
                 self._lock.wait()
-            if self._is_shut_down:
-                return None
-            tenant, queue = next(iter(self._queues.items()))
-            task = queue.popleft()
-            del self._queues[tenant]
-            if queue:
-                self._queues[tenant] = queue
-            return task
+            return None
+
+    def _first_eligible(self) -> str | None:
+        cap = self.max_running_per_tenant
+        return next((tenant for tenant in self._queues
+                     if self._num_running.get(tenant, 0) < cap), None)
+
+    def _done(self, tenant: str) -> None:
+        with self._lock:
+            self._num_running[tenant] -= 1
+            if not self._num_running[tenant]:
+                del self._num_running[tenant]
+            self._lock.notify()  # a tenant at its cap may be eligible again
 
     def _work(self) -> None:
-        while (task := self._next_task()) is not None:
-            future, fn, args = task
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued: its caller has gone
+        while (next_task := self._next_task()) is not None:
+            tenant, (future, fn, args) = next_task
             try:
-                result = fn(*args)
-            except BaseException as error:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+                if future.set_running_or_notify_cancel():  # else cancelled while queued
+                    _run(future, fn, args)
+            finally:
+                self._done(tenant)
+
+
+def _run(future: Future, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        result = fn(*args)
+    except BaseException as error:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

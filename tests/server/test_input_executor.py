@@ -1,5 +1,6 @@
-"""`FairExecutor`: tenants are served in turn (exact order), whatever one tenant's backlog; a
-task cancelled while queued never runs; shutdown cancels what is left."""
+"""`FairExecutor`: tenants are served in turn (exact order), whatever one tenant's backlog; no
+tenant runs more than its share of the workers; a task cancelled while queued never runs;
+shutdown cancels what is left."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import pytest
 from kvpool.server.input_executor import FairExecutor
 
 
-def blocked(executor: FairExecutor) -> threading.Event:
-    """Occupy the executor's one worker until the returned event is set."""
+def blocked(executor: FairExecutor, tenant: str = "gate") -> threading.Event:
+    """Occupy one of the executor's workers (as `tenant`) until the returned event is set."""
     gate, started = threading.Event(), threading.Event()
 
     def hold() -> None:
         started.set()
         gate.wait()
 
-    executor.submit("gate", hold)
+    executor.submit(tenant, hold)
     started.wait()
     return gate
 
@@ -70,7 +71,7 @@ def test_results_exceptions_and_cancellation() -> None:
 
 def test_shutdown_cancels_what_is_queued_and_refuses_more() -> None:
     executor = FairExecutor(num_workers=2)
-    gates = [blocked(executor), blocked(executor)]
+    gates = [blocked(executor, "gate1"), blocked(executor, "gate2")]
     queued = executor.submit("a", print, "never")
     threading.Timer(0.05, lambda: [gate.set() for gate in gates]).start()
     executor.shutdown()
@@ -80,3 +81,30 @@ def test_shutdown_cancels_what_is_queued_and_refuses_more() -> None:
         executor.submit("a", print)
     with pytest.raises(ValueError, match="at least 1"):
         FairExecutor(num_workers=0)
+
+
+def test_a_tenant_runs_at_most_half_the_workers() -> None:
+    executor = FairExecutor(num_workers=4)
+    assert executor.max_running_per_tenant == 2
+    release, running, peak = threading.Event(), [0], [0]
+    lock = threading.Lock()
+
+    def slow() -> None:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        release.wait()
+        with lock:
+            running[0] -= 1
+
+    noisy = [executor.submit("noisy", slow) for _ in range(10)]
+    quiet_started = threading.Event()
+    quiet = executor.submit("quiet", quiet_started.set)
+    assert quiet_started.wait(timeout=10)  # a worker was free: noisy holds only 2 of 4
+    quiet.result(timeout=10)
+    assert executor.num_queued == 8  # the noisy tasks beyond its 2 wait
+    release.set()
+    for future in noisy:
+        future.result(timeout=10)
+    assert peak[0] == 2
+    executor.shutdown()
