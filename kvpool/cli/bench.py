@@ -59,6 +59,12 @@ class Bench:
     engine_config: EngineConfigFn | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     json_flag: bool = True
+    flag_modules: Mapping[str, str] = field(default_factory=dict)  # a set flag runs another
+
+    def module_for(self, args: argparse.Namespace) -> str:
+        """The module to run: that of the first of `flag_modules`' flags set, else `module`."""
+        return next((module for flag, module in self.flag_modules.items()
+                     if getattr(args, flag, False)), self.module)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench(bench: Bench, args: argparse.Namespace) -> int:
     """Import the benchmark's module and run it on `args` (and its engine config)."""
-    module = importlib.import_module(f"kvpool.bench.{bench.module}")
+    module = importlib.import_module(f"kvpool.bench.{bench.module_for(args)}")
     if bench.engine_config is None:
         return module.run(args)
     return module.run(args, bench.engine_config(args))
@@ -163,6 +169,11 @@ def add_serve_args(parser: Parser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None)
     _add_length_args(parser, input_len=(64, 256), output_len=(32, 128))
     parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--noisy-neighbour", action="store_true",
+                        help="two tenants: measure this workload alone, then beside a tenant "
+                        "sending the heaviest valid inputs (kvpool.bench.serve_noisy)")
+    parser.add_argument("--noisy-concurrency", type=int, default=8,
+                        help="with --noisy-neighbour: its requests in flight (default 8)")
 
 
 def add_precision_args(parser: Parser) -> None:
@@ -275,7 +286,8 @@ BENCHES: tuple[Bench, ...] = (
           defaults={"kv_cache_memory": DEFAULT_KV_CACHE_MEMORY,
                     "swap_space": DEFAULT_SWAP_SPACE_GIB}),
     Bench("serve", "online latency/throughput over HTTP (own server, or --base-url)",
-          add_serve_args, "serve", _serve_engine_config),
+          add_serve_args, "serve", _serve_engine_config,
+          flag_modules={"noisy_neighbour": "serve_noisy"}),
     Bench("precision", "bf16 vs fp32, or quantized vs float KV: where greedy decoding "
           "diverges, and the perplexity", add_precision_args, "precision"),
     Bench("kv-capacity", "KV blocks and tokens one budget holds, per kv_cache_dtype",

@@ -84,6 +84,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="larger request bodies get 413 (default 4MiB)",
     )
     group.add_argument(
+        "--input-workers", type=int, default=4,
+        help="threads that tokenize, render chat templates and compile grammars, shared by "
+             "tenants in turn (default 4)",
+    )
+    group.add_argument(
+        "--max-grammar-chars", type=int, default=131_072,
+        help="longest JSON schema, regex or grammar accepted, in characters (default 131072)",
+    )
+    group.add_argument(
+        "--grammar-compile-timeout", type=float, default=1.0,
+        help="seconds a grammar may take to compile before its request gets 400 (default 1)",
+    )
+    group.add_argument(
         "--shutdown-grace-seconds", type=float, default=30.0,
         help="on SIGTERM/Ctrl-C, how long in-flight requests may still run",
     )
@@ -124,6 +137,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrent_requests=args.max_concurrent_requests or None,
         max_queued_sequences=args.max_queued_sequences or None,
         max_request_bytes=args.max_request_bytes,
+        input_workers=args.input_workers,
+        max_grammar_chars=args.max_grammar_chars,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,

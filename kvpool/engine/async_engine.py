@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
 from kvpool.engine.requests.outputs import RequestOutput
+from kvpool.engine.requests.prompt_limits import PromptLimits
 from kvpool.engine.requests.stream import RequestStream
 from kvpool.engine.sampling.grammar import GrammarCompiler
 from kvpool.engine.sampling_params import SamplingParams
@@ -98,6 +99,11 @@ class AsyncLLMEngine:
     def tokenizer(self) -> Any:
         """The engine's tokenizer (thread-safe for encode/decode and chat templates)."""
         return self.engine.tokenizer
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        """How long a prompt may be (`LLMEngine.prompt_limits`; immutable, any thread)."""
+        return self.engine.prompt_limits
 
     @property
     def grammar_compiler(self) -> GrammarCompiler | None:

@@ -51,6 +51,7 @@ from kvpool.engine.preemption import PreemptionPolicy
 from kvpool.engine.requests.intake import PromptInput, RequestIntake
 from kvpool.engine.requests.output_processor import OutputProcessor
 from kvpool.engine.requests.outputs import RequestOutput
+from kvpool.engine.requests.prompt_limits import PromptLimits
 from kvpool.engine.sampling import Sampler, SamplerOutput, sampling_rows
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -156,6 +157,12 @@ class LLMEngine:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.intake.eos_token_ids
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        """How long a prompt may be (tokens, and characters before tokenizing): the rule the
+        intake applies, for callers that check ahead (the server)."""
+        return self.intake.prompt_limits
 
     @property
     def grammar_compiler(self):

@@ -68,8 +68,13 @@ class Tokenizer:
         return bool(self.hf_tokenizer.chat_template)
 
     # ------------------------------------------------------------ encoding
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_length: int | None = None) -> list[int]:
+        """`text`'s token ids; with `max_length`, only the first `max_length` of them."""
+        if max_length is None:
+            return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                             truncation=True, max_length=max_length))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf_tokenizer.decode(

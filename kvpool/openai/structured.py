@@ -59,12 +59,10 @@ def make_constraint(param: str, **spec: Any) -> Constraint:
         raise bad_request(str(error), param) from error
 
 
-def compile_constraint(engine: Any, constraint: Constraint) -> None:
-    """Compile the constraint with the engine's grammar compiler: a 400 naming the client's
-    field if it refuses. Engines without a compiler leave the check to `add_request`."""
-    compiler = getattr(engine, "grammar_compiler", None)
-    if compiler is None:
-        return
+def compile_constraint(compiler: Any, constraint: Constraint) -> None:
+    """Compile the constraint with `compiler` (anything with `compile(spec)`: the server's
+    bounded compiler for this request's tenant, `kvpool.server.grammar_bounds`): a 400
+    naming the client's field if it refuses."""
     try:
         compiler.compile(constraint.spec)
     except InvalidRequestError as error:

@@ -24,6 +24,7 @@ from kvpool.openai.middleware import AccessPolicy, AuthMiddleware, BodyLimitMidd
 from kvpool.server.config import ServerConfig
 from kvpool.server.cors import install_cors
 from kvpool.server.generation import ServerState
+from kvpool.server.input_work import InputWork
 from kvpool.server.kv_event_routes import router as kv_event_router
 from kvpool.server.kv_routes import router as kv_router
 from kvpool.server.metrics import ServerMetrics
@@ -35,7 +36,8 @@ from kvpool.server.utility_routes import router as utility_router
 def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine`; the app's state is `app.state.kvpool`."""
     config = config or ServerConfig()
-    state = ServerState(engine, config, ServerMetrics(engine, config.model_name))
+    state = ServerState(engine, config, ServerMetrics(engine, config.model_name),
+                        InputWork(engine, config))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,6 +46,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
         elapsed = time.monotonic() - (state.shutdown_started_at or time.monotonic())
         grace = max(0.0, config.shutdown_grace_seconds - elapsed)
         await asyncio.to_thread(engine.shutdown, grace)
+        state.input_work.close()
 
     app = FastAPI(
         title="kvpool",

@@ -36,7 +36,7 @@ from kvpool.server.unsupported import check_supported
 logger = logging.getLogger(__name__)
 
 def chat_inputs(
-    request: ChatCompletionRequest, engine: Any, config: ServerConfig
+    request: ChatCompletionRequest, engine: Any, config: ServerConfig, grammars: Any
 ) -> EngineInputs:
     check_supported(request)
     if not request.messages:
@@ -44,17 +44,18 @@ def chat_inputs(
     if request.continue_final_message and request.add_generation_prompt:
         raise bad_request("continue_final_message needs add_generation_prompt false",
                           "continue_final_message")
-    prompt, plan = chat_prompt(request, engine.tokenizer, config.chat_template)
+    prompt, plan = chat_prompt(request, engine.tokenizer, config.chat_template,
+                               engine.prompt_limits)
     constraint = request_constraint(request)
     if constraint is not None and plan.constraint is not None:
         raise bad_request("tool_choice required or a named function constrains the output "
                           "itself: leave out response_format and structured_outputs",
                           "tool_choice")
-    check_prompt_length(len(prompt.token_ids), engine.max_model_len, "messages")
+    check_prompt_length(engine.prompt_limits, len(prompt.token_ids), "messages")
     logprobs = _logprobs(request, config)
-    compile_tool_constraint(engine, plan)
+    compile_tool_constraint(grammars, plan)
     if constraint is not None:
-        compile_constraint(engine, constraint)
+        compile_constraint(grammars, constraint)
     chosen = plan.constraint or constraint
     parser = get_tool_parser(config.tool_call_parser)
     defaults = engine_defaults(engine)

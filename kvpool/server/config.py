@@ -60,6 +60,11 @@ class ServerConfig:
     tenant_salts: TenantSalts = field(default_factory=TenantSalts.resolve, repr=False)
     cors: CorsConfig = field(default_factory=CorsConfig)  # browsers' cross-origin access
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (as vLLM's flag)
+    # Input work (tokenizing, chat templates, grammars): threads shared fairly by tenants, and
+    # the bounds on a grammar's size and compile time (kvpool.server.input_work).
+    input_workers: int = 4
+    max_grammar_chars: int = 131_072
+    grammar_compile_timeout: float = 1.0  # seconds
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -70,6 +75,8 @@ class ServerConfig:
             "max_prompts": self.max_prompts,
             "max_stop_strings": self.max_stop_strings,
             "max_stop_chars": self.max_stop_chars,
+            "input_workers": self.input_workers,
+            "max_grammar_chars": self.max_grammar_chars,
         }
         for name in ("max_concurrent_requests", "max_queued_sequences"):
             if getattr(self, name) is not None:
@@ -77,6 +84,8 @@ class ServerConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be > 0")
         if self.max_logprobs < 0 or self.shutdown_grace_seconds < 0:
             raise ValueError("max_logprobs and shutdown_grace_seconds must be >= 0")
         from kvpool.openai.tools import tool_parser_names

@@ -33,6 +33,7 @@ from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.openai.errors import OpenAIError, bad_request, truncate
 from kvpool.server.config import ServerConfig
+from kvpool.server.input_work import InputWork
 from kvpool.server.inputs import EngineInputs
 from kvpool.server.metrics import ServerMetrics
 
@@ -53,6 +54,7 @@ class ServerState:
     engine: AsyncLLMEngine
     config: ServerConfig
     metrics: ServerMetrics
+    input_work: InputWork  # where input work runs: tenants in turn, grammars bounded
     created: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0  # generation requests
     num_sequences_in_flight: int = 0  # their prompts × n, summed

@@ -3,7 +3,8 @@
 Every check that can fail on user input lives here (and in `chat_inputs.py`, `unsupported.py`,
 and `kvpool/openai/`'s `prompts.py`, `structured.py`, `tools/choice.py`) and raises
 `OpenAIError` 400 with the parameter named: empty or too many prompts, a prompt that fills the
-context, `max_tokens` beyond the context, `n`/`logprobs`/stop limits, fields kvpool does not
+context (the engine's `PromptLimits`: text too long to fit is refused before it is tokenized),
+`max_tokens` beyond the context, `n`/`logprobs`/stop limits, fields kvpool does not
 honour, constraints the grammar compiler refuses, and the range checks of `SamplingParams` (its
 `InvalidRequestError`: the message as it is, the field from its `param`). No message
 includes the client's value; numbers the server computed (context lengths, token counts)
@@ -18,7 +19,8 @@ The output kind is chosen here too: a stream asks for `DELTA` outputs (each carr
 is new), a whole response for `FINAL_ONLY` (one output, at the end, with everything).
 
 Tokenization and grammar compilation happen off the event loop (routes call these functions
-through a worker thread); the tokenizer is only read, never reconfigured, so that is safe
+through the input executor, `kvpool.server.input_work`; grammars compile within their bounds,
+`kvpool.server.grammar_bounds`); the tokenizer is only read, never reconfigured, so that is safe
 beside the engine thread.
 """
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.requests.prompt_limits import PromptLimits
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.openai.errors import bad_request
 from kvpool.openai.prompts import EnginePrompt, prompt_list, tokenize_prompt
@@ -55,20 +58,23 @@ class EngineInputs:
 
 
 def completion_inputs(
-    request: CompletionRequest, engine: Any, config: ServerConfig
+    request: CompletionRequest, engine: Any, config: ServerConfig, grammars: Any
 ) -> EngineInputs:
+    """`grammars` compiles constraints (`compile(spec)`): the request's tenant's bounded
+    compiler (`kvpool.server.grammar_bounds`)."""
     check_supported(request)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
-    prompts = [tokenize_prompt(prompt, tokenizer, request.add_special_tokens)
+    limits = engine.prompt_limits
+    prompts = [tokenize_prompt(prompt, tokenizer, request.add_special_tokens, limits)
                for prompt in _checked_prompt_list(request, config)]
     for prompt in prompts:
-        check_prompt_length(len(prompt.token_ids), max_model_len, "prompt")
+        check_prompt_length(limits, len(prompt.token_ids), "prompt")
     if request.logprobs is not None and not 0 <= request.logprobs <= config.max_logprobs:
         raise bad_request(f"logprobs must be in [0, {config.max_logprobs}]", "logprobs")
     constraint = request_constraint(request)
     if constraint is not None:
-        compile_constraint(engine, constraint)
+        compile_constraint(grammars, constraint)
     echo = bool(request.echo)
     is_echo_only = echo and request.max_tokens == 0
     if echo:
@@ -123,13 +129,12 @@ def _echo_prompt(prompt: EnginePrompt, tokenizer: Any, needs_first_token: bool) 
     return EnginePrompt(text, prompt.token_ids, first)
 
 
-def check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None:
-    if num_tokens >= max_model_len:
-        raise bad_request(
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{num_tokens} tokens (room is needed for at least one output token)",
-            param,
-        )
+def check_prompt_length(limits: PromptLimits, num_tokens: int, param: str) -> None:
+    """The engine's own length rule (`PromptLimits`), as a 400 naming `param`."""
+    try:
+        limits.check_num_tokens(num_tokens, param)
+    except InvalidRequestError as error:
+        raise bad_request(str(error), param) from error
 
 
 def output_budget(

@@ -91,7 +91,7 @@ async def kv_explain(body: ExplainRequest, request: Request) -> Response:
         salt = state.config.tenant_salts.cache_salt(request.state.tenant, body.cache_salt)
     except InvalidRequestError as error:
         raise bad_request(str(error), error.param) from error
-    token_ids = await asyncio.to_thread(_prompt_token_ids, body, state)
+    token_ids = await state.input_work.run(request.state.tenant, _prompt_token_ids, body, state)
     reveal = bool(request.state.sees_all_tenants)
     try:
         explanation = await state.engine.call_on_engine(
@@ -126,7 +126,10 @@ def _encode(state: ServerState, prompt: str) -> list[int]:
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: send prompt_token_ids", "prompt")
     try:
-        return tokenizer.encode(prompt, add_special_tokens=True)  # as /v1/completions does
+        # As /v1/completions does, text too long for any tokenization refused before it.
+        return state.engine.prompt_limits.encode(tokenizer, prompt, add_special_tokens=True)
+    except InvalidRequestError as error:
+        raise bad_request(str(error), "prompt") from error
     except (ValueError, TypeError) as error:  # e.g. a lone surrogate, not encodable
         raise bad_request("prompt: the text could not be tokenized", "prompt") from error
 

@@ -2,15 +2,14 @@
 /v1/kv/stats (models, tokenize, version and ping: `utility_routes.py`).
 
 A generation route: check the model name and the cache salt, take a concurrency slot, build the
-engine inputs in a worker thread (tokenizing can take a while; the event loop must not wait for
-it), take room for their sequences and queue them, then either stream server-sent events (from
-DELTA outputs) or wait for the end (one FINAL_ONLY output per prompt) while watching for a
-disconnect.
+engine inputs on the input executor (tokenizing can take a while; the event loop must not wait
+for it, nor another tenant: `input_work.py`), take room for their sequences and queue them,
+then either stream server-sent events (from DELTA outputs) or wait for the end (one FINAL_ONLY
+output per prompt) while watching for a disconnect.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
@@ -145,7 +144,9 @@ async def _generate(
     generation = state.begin()
     is_streaming = False
     try:
-        inputs = await asyncio.to_thread(make_inputs, body, state.engine, state.config)
+        tenant = request.state.tenant
+        inputs = await state.input_work.run(tenant, make_inputs, body, state.engine,
+                                            state.config, state.input_work.grammars(tenant))
         await generation.add(inputs, cache_salt, response_id)
         if body.stream:
             is_streaming = True

@@ -23,6 +23,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 import kvpool
+from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.requests.prompt_limits import PromptLimits
 from kvpool.openai.errors import bad_request
 from kvpool.openai.protocol import ChatMessage, ErrorResponse, RequestModel, TokenId
 from kvpool.server.config import DEFAULT_MODEL_NAME
@@ -127,7 +129,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages", "prompt")
     tokenizer = _tokenizer(state, "prompt" if body.messages is None else "messages")
-    token_ids = await asyncio.to_thread(_token_ids, tokenizer, body, state.config.chat_template)
+    token_ids = await state.input_work.run(request.state.tenant, _token_ids, tokenizer, body,
+                                           state.config.chat_template,
+                                           state.engine.prompt_limits)
     token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(token_ids), max_model_len=state.engine.max_model_len,
                             tokens=token_ids, token_strs=token_strs)
@@ -164,14 +168,18 @@ def _tokenizer(state: ServerState, param: str) -> Any:
     return tokenizer
 
 
-def _token_ids(tokenizer: Any, body: TokenizeRequest, template: str | None) -> list[int]:
+def _token_ids(tokenizer: Any, body: TokenizeRequest, template: str | None,
+               limits: PromptLimits) -> list[int]:
     """The ids the engine would get for this prompt: a completion's, or a chat's rendered
     with the server's `--chat-template` (`template`) if it has one, else the model's."""
     if body.messages is None:
         assert body.prompt is not None
         add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
         try:
+            limits.check_text(body.prompt)  # text no tokenization fits is not tokenized
             return tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), "prompt") from error
         except (ValueError, TypeError) as error:  # e.g. a lone surrogate, not encodable
             raise bad_request("prompt: the text could not be tokenized", "prompt") from error
     if not body.messages:

@@ -176,3 +176,16 @@ def test_credentials_with_a_wildcard_origin_are_refused(capsys) -> None:
 
 def test_uvicorn_log_level_is_vllms_name_for_the_log_level() -> None:
     assert build_parser().parse_args(["serve", "--uvicorn-log-level", "debug"]).log_level == "debug"
+
+
+def test_input_limit_flags_build_the_server_config() -> None:
+    defaults = server_config_from_args(build_parser().parse_args(["serve"]))
+    assert (defaults.input_workers, defaults.max_grammar_chars,
+            defaults.grammar_compile_timeout) == (4, 131_072, 1.0)
+    config = server_config_from_args(build_parser().parse_args([
+        "serve", "--input-workers", "2", "--max-grammar-chars", "5000",
+        "--grammar-compile-timeout", "0.25"]))
+    assert (config.input_workers, config.max_grammar_chars,
+            config.grammar_compile_timeout) == (2, 5000, 0.25)
+    with pytest.raises(ValueError, match="input_workers must be at least 1"):
+        server_config_from_args(build_parser().parse_args(["serve", "--input-workers", "0"]))

@@ -33,6 +33,7 @@ from kvpool.engine.requests.derived import (
     grammar_matchers,
     sequence_generators,
 )
+from kvpool.engine.requests.prompt_limits import PromptLimits
 from kvpool.engine.sampling.grammar import GrammarCompiler
 from kvpool.engine.sampling.token_rules import TokenRuleBuilder
 from kvpool.engine.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class RequestIntake:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
+        self.prompt_limits = PromptLimits.for_tokenizer(tokenizer, max_model_len)
         self.max_num_seqs = max_num_seqs
         self.kv_memory = kv_memory
         self.device = device
@@ -99,7 +101,7 @@ class RequestIntake:
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "this model has no tokenizer: give prompts as token ids", "prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.prompt_limits.encode(self.tokenizer, prompt)
         return None, [int(t) for t in prompt]
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -128,10 +130,7 @@ class RequestIntake:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})",
                                       "prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                f"{self.max_model_len} (room is needed for at least one output token)", "prompt")
+        self.prompt_limits.check_num_tokens(len(token_ids))
         memory = self.kv_memory
         if not memory.can_ever_fit(len(token_ids) + 1):
             capacity = memory.max_num_blocks * memory.layout.block_size

@@ -70,19 +70,19 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
                     make_constraint(parameters_param(index), json=tool_parameters(tools[index])))
 
 
-def compile_tool_constraint(engine: Any, plan: ToolPlan) -> None:
+def compile_tool_constraint(compiler: Any, plan: ToolPlan) -> None:
     """Compile the plan's constraint; if the grammar compiler refuses the combined schema of
     `required`, find the tool whose parameters it refuses, to name it."""
     if plan.constraint is None:
         return
     try:
-        compile_constraint(engine, plan.constraint)
+        compile_constraint(compiler, plan.constraint)
     except OpenAIError:
         if plan.mode != "required":
             raise
         for index, tool in enumerate(plan.tools):
-            compile_constraint(engine, make_constraint(parameters_param(index),
-                                                       json=tool_parameters(tool)))
+            compile_constraint(compiler, make_constraint(parameters_param(index),
+                                                         json=tool_parameters(tool)))
         raise
 
 
