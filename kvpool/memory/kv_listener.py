@@ -8,11 +8,12 @@ tiers, the engine's KV cache manager), so a listener registered there once hears
     emitted by              events
     BlockPool               block_stored, block_evicted, pool_cleared
     ResizableBlockPool      block_removed (taken offline by an elastic shrink)
-    ElasticKVPool           pool_resized
+    ElasticKVPool           pool_resizing, pool_resized
     KVTiers                 block_spilled
     KVCacheManager          prefix_hit, blocks_allocated, blocks_freed, table_forked,
                             block_copied_on_write, sequence_preempted, sequence_swapped_in
     the engine              request_arrived, request_finished, step_ended
+    Scheduler               step_rolled_back
 
 Listeners today: the tiers (`KVTiers` on the device pool: spill and write-through; the host
 pool's host->disk spill), the KV event log, the `--kv-trace` recorder and the device pool's
@@ -105,6 +106,11 @@ class KVListener:
 
     def step_ended(self, next_step: int) -> None:
         """The engine finished a step; later events belong to step `next_step`."""
+
+    def step_rolled_back(self) -> None:
+        """The step failed and was undone (`Scheduler.roll_back`): its sequences' blocks are
+        freed (what the step published may be reused before the next step ends), and no
+        `step_ended` follows for it."""
 
 
 class KVListeners(KVListener):
@@ -214,3 +220,7 @@ class KVListeners(KVListener):
     def step_ended(self, next_step: int) -> None:
         for listener in self._listeners:
             listener.step_ended(next_step)
+
+    def step_rolled_back(self) -> None:
+        for listener in self._listeners:
+            listener.step_rolled_back()

@@ -16,7 +16,10 @@ and what moves between them.
   after the step that computed it (`after_step`: one host snapshot of the blocks either lacks,
   handed to each tier's writer thread), so a restart or another replica finds it; a block the
   shared tier knows to be in Redis (reloaded from there, say) is not written back. At a clean
-  shutdown (`close`) spilled host blocks the disk lacks follow.
+  shutdown (`close`) spilled host blocks the disk lacks follow. A step that fails
+  (`step_rolled_back`) writes nothing, and a queued block is written only while the device's
+  prefix cache still maps it to the hash it was queued under: a block freed and taken by
+  another request meanwhile holds that request's KV, which must never go out under the hash.
 - Reload: a prefix lookup that ends on the device walks on (`find_below`): host, then disk,
   then shared, block by block, while the hash chain matches (`kvpool.memory.tiers.tier_match`); disk
   and shared blocks are read and validated (`validate`) once the admission is known to fit;
@@ -208,12 +211,20 @@ class KVTiers(KVListener):
     def step_ended(self, next_step: int) -> None:
         self.after_step()
 
+    def step_rolled_back(self) -> None:
+        """A failed step: what it published is not written through (`roll_back` freed its
+        blocks, which may hold another request's KV by the next step that succeeds)."""
+        self._to_write.clear()
+
     def after_step(self) -> None:
         """Write the blocks the step published through to the tiers that want them (off the
-        critical path: each tier's writer thread does the I/O; one snapshot serves all)."""
+        critical path: each tier's writer thread does the I/O; one snapshot serves all).
+        Only a block still cached under the hash it was published with is written: its KV
+        is that hash's (a block freed and reused since holds someone else's)."""
         if not self._to_write:
             return
         pending, self._to_write = self._to_write, []
+        pending = [item for item in pending if self._still_holds(item[0], item[1])]
         hashes = [block_hash for _, block_hash, _ in pending]
         wanted = [(tier, tier.wanted(hashes)) for tier in self.tiers]
         wanted = [(tier, hashes) for tier, hashes in wanted if hashes]
@@ -226,6 +237,10 @@ class KVTiers(KVListener):
             for tier, hashes in wanted:
                 if block_hash in hashes:
                     tier.store(block_hash, token_ids, snapshot.kv[row], scales, snapshot.ready)
+
+    def _still_holds(self, block_id: int, block_hash: BlockHash) -> bool:
+        entry = self.device_pool.prefix_cache.entry(block_id)
+        return entry is not None and entry.block_hash == block_hash
 
     def close(self) -> None:
         """Clean shutdown: finish every copy, write spilled host blocks the disk lacks, wait
