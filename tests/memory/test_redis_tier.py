@@ -113,6 +113,28 @@ def test_queued_bytes_are_bounded_and_the_excess_is_dropped_and_counted(redis_se
     tier.close()
 
 
+def test_a_value_in_redis_is_never_overwritten_only_known(redis_server):
+    """Keys are content-addressed: a second write of a hash (other KV under it, as a failed
+    step once produced) keeps the first value (SET NX) and is neither stored nor dropped."""
+    layout = make_layout("float32")
+    first, second = make_tier(redis_server.url, layout), make_tier(redis_server.url, layout)
+    store_all(first, layout, [0])
+    client = redis_server.client()
+    value = client.get(key_of(layout, 0))
+    block_hash, tokens, kv, scales = make_block(layout, 0)
+    second.store(block_hash, tokens, kv + 1, scales)
+    assert second.flush(timeout=5)
+    assert client.get(key_of(layout, 0)) == value
+    stats = second.stats()
+    assert (stats.num_stored_blocks, stats.num_dropped_writes) == (0, 0)
+    assert second.wanted([block_hash]) == set()  # known to be there now
+    [loaded] = second.load_run([block_hash], [tokens])
+    assert same_bits(loaded.kv, kv)
+    for tier in (first, second):
+        tier.check_invariants()
+        tier.close()
+
+
 def test_close_waits_a_bounded_time_on_a_hung_redis(redis_server):
     layout = make_layout("float32")
     tier = make_tier(redis_server.url, layout)
