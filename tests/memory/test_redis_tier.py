@@ -177,6 +177,28 @@ def test_killed_redis_degrades_to_nothing_then_comes_back(redis_server, caplog):
     tier.close()
 
 
+def test_a_redis_restarted_between_calls_is_noticed_and_its_lost_blocks_written_again(
+        redis_server, caplog):
+    """No outage is seen (the client reconnects on its own, no probe runs in between), but the
+    new Redis has a new run_id: the memo goes, so the blocks it lost are written again."""
+    layout = make_layout("float32")
+    tier = make_tier(redis_server.url, layout, probe_interval=3600)  # no idle probe here
+    store_all(tier, layout, [0])
+    hashes = [make_block(layout, key)[0] for key in range(2)]
+    assert tier.wanted(hashes[:1]) == set()  # known to be in Redis
+    redis_server.stop()
+    redis_server.start()  # empty, on the same port
+    assert tier.find(hashes[1:]) == [False]  # a call: the client reconnects transparently
+    stats = tier.stats()
+    assert stats.is_up and (stats.num_errors, stats.num_reconnects) == (0, 0)
+    assert tier.wanted(hashes[:1]) == {hashes[0]}  # lost with the old Redis: wanted again
+    assert tier.link.num_restarts == 1 and "restarted" in shared_warnings(caplog)[-1]
+    store_all(tier, layout, [0])
+    assert redis_server.client().exists(key_of(layout, 0)) == 1
+    tier.check_invariants()
+    tier.close()
+
+
 def test_a_hung_redis_costs_one_timeout_then_nothing_until_it_answers(redis_server, caplog):
     layout = make_layout("float32")
     tier = make_tier(redis_server.url, layout, timeout=0.3, probe_interval=1.0)  # probe later
