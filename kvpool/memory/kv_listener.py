@@ -57,6 +57,11 @@ class KVListener:
     def pool_cleared(self, medium: str) -> None:
         """The pool is about to drop every hash it holds (a reset)."""
 
+    def pool_resizing(self, medium: str) -> None:
+        """An elastic grow, shrink or reset is about to relocate or zero blocks (on the
+        compute stream): whoever has copies in flight that read or write the pool's KV must
+        have that stream wait for them now."""
+
     def pool_resized(self, medium: str, num_online_blocks: int, delta: int,
                      moved: Mapping[int, int], dropped: Sequence[int]) -> None:
         """An elastic grow (`delta` > 0 blocks) or shrink (`delta` < 0): `moved` maps the used
@@ -163,6 +168,10 @@ class KVListeners(KVListener):
     def pool_cleared(self, medium: str) -> None:
         for listener in self._listeners:
             listener.pool_cleared(medium)
+
+    def pool_resizing(self, medium: str) -> None:
+        for listener in self._listeners:
+            listener.pool_resizing(medium)
 
     def pool_resized(self, medium: str, num_online_blocks: int, delta: int,
                      moved: Mapping[int, int], dropped: Sequence[int]) -> None:

@@ -27,6 +27,9 @@ and what moves between them.
 - Swap: `swap_out` copies a sequence's blocks to host blocks it owns; `swap_in` copies them
   back into new device blocks and frees them.
 
+An elastic device pool's resize waits for the copies in flight (`pool_resizing`:
+`KVTransfers.wait_all`) before it relocates or zeroes blocks.
+
 Every key is the salted chained hash (`kvpool.memory.prefix_cache`), so a tenant's blocks are
 found only under its own salt, in every tier. Copies are queued (`kvpool.memory.tiers.kv_transfer`)
 and run by `before_step`, before the step's model.
@@ -147,6 +150,10 @@ class KVTiers(KVListener):
         self.transfers.device_to_host([block_id], [host_id], hold=True)
         self._num_spilled += 1
         self.device_pool.listeners.block_spilled(block_id)
+
+    def pool_resizing(self, medium: str) -> None:
+        """Copies in flight first: the resize may move or zero blocks they read or write."""
+        self.transfers.wait_all()
 
     # ---------------------------------------------------------------- reload
     def find_below(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
