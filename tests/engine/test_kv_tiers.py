@@ -243,3 +243,31 @@ def test_a_failed_step_never_writes_another_tenants_kv_under_a_prefix_hash(
 
     restarted = make_fast_engine(**options)
     assert _generate(restarted, prompt_a, "tenant-a").sequences[0].output_token_ids == expected
+
+
+def test_a_failed_reload_copy_is_rolled_back_and_its_blocks_never_found(make_fast_engine):
+    """The copies run before the model, inside the step's roll-back: a reload whose copy
+    fails leaves no sequence with slots it never filled, no host block held, and no device
+    block cached under a hash whose KV never arrived."""
+    engine = make_fast_engine(dtype="float32", num_gpu_blocks=16, swap_space=0.01)
+    prompt = "Patient record: " + "the harbour master logged tides and moorings today. " * 6
+    expected = _generate(engine, prompt, "tenant-a").sequences[0].output_token_ids
+    run_all(engine, [f"Filler {index}: " + "lorem ipsum dolor sit amet " * 12
+                     for index in range(4)])
+    transfers = engine.kv_tiers.transfers
+    copy = transfers._copy
+
+    def fail_once(*args, **kwargs):
+        transfers._copy = copy
+        raise RuntimeError("the copy fell over")
+
+    transfers._copy = fail_once
+    request = engine.add_request(prompt, GREEDY, cache_salt="tenant-a")
+    with pytest.raises(RuntimeError, match="copy fell over"):
+        engine.step()
+    engine.check_invariants()
+    reloaded = request.sequences[0].block_hashes[:3]  # copied up from the host: never filled
+    assert not any(engine.kv_memory.pool.prefix_cache.holds(h) for h in reloaded)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.sequences[0].output_token_ids == expected

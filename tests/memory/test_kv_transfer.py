@@ -187,3 +187,31 @@ def test_a_shrink_never_relocates_into_a_block_a_copy_out_still_reads(device):
     assert (memory.kv_cache.tensor[4] == 3.0).all()  # then block 5's KV moved in
     host.pool.free(host_ids)
     memory.check_invariants()
+
+
+def test_a_failed_copy_unpublishes_the_blocks_it_was_to_fill_and_releases_the_host():
+    """A spill (device 1 -> a published host block) and a reload (a host block -> device 2,
+    published at admission) in one batch whose copy raises: neither block stays findable,
+    and the host references held for the copies are dropped."""
+    memory = memory_on("cpu")
+    tiers, host = memory.tiers, memory.tiers.host
+    tokens = list(range(LAYOUT.block_size))
+    [spilled] = host.pool.allocate(1)
+    host.pool.publish(spilled, b"s" * 32, tokens)
+    tiers.transfers.device_to_host([1], [spilled], hold=True)
+    [source] = host.pool.allocate(1)
+    [reloaded] = memory.pool.allocate(1)
+    memory.pool.publish(reloaded, b"r" * 32, tokens)
+    tiers.transfers.host_to_device([source], [reloaded])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the copy fell over")
+
+    tiers.transfers._copy = fail
+    with pytest.raises(RuntimeError, match="fell over"):
+        tiers.before_step()
+    assert not host.pool.prefix_cache.holds(b"s" * 32)
+    assert not memory.pool.prefix_cache.holds(b"r" * 32)
+    assert host.pool.num_used_blocks == 0 and tiers.transfers.num_held_host_blocks == 0
+    memory.pool.free([reloaded])
+    memory.check_invariants()

@@ -91,7 +91,8 @@ class KVTiers(KVListener):
         self._lookup = TierLookup(device_pool.block_size, self.tiers)
         self.bytes_per_block = device_pool.layout.bytes_per_block
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
-                                     host.pool.free if host else _nothing_to_release)
+                                     host.pool.free if host else _nothing_to_release,
+                                     on_unfilled=self._unpublish)
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
         if self.tiers:
             device_pool.listeners.add(self, reacts=True)
@@ -212,8 +213,18 @@ class KVTiers(KVListener):
     # ------------------------------------------------------------- the step
     def before_step(self, written_block_ids: Callable[[], Collection[int]] = frozenset) -> None:
         """Run the queued copies (before the step's model); `written_block_ids()`: the device
-        blocks the step writes (`KVTransfers.run`)."""
+        blocks the step writes (`KVTransfers.run`). If a copy fails, the blocks it was to fill
+        leave the device's prefix cache before the error goes on (`_unpublish`)."""
         self.transfers.run(written_block_ids)
+
+    def _unpublish(self, device_ids: list[int], host_ids: list[int]) -> None:
+        """Blocks a failed copy left without their KV: reloaded or swapped-in device blocks
+        (published at admission; the step's roll-back frees them) and spilled host blocks
+        (published when spilled) must not be found under their hashes."""
+        for block_id in device_ids:
+            self.device_pool.unpublish(block_id)
+        for block_id in host_ids:
+            self.host.pool.unpublish(block_id)
 
     def step_ended(self, next_step: int) -> None:
         self.after_step()

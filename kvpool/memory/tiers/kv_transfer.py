@@ -31,6 +31,13 @@ flight (`wait_all`, on the pool's `pool_resizing`), since a block a copy-out sti
 be a relocation's destination, or come back online (zeroed) in a regrown segment.
 
 The side stream is a `SideStream` (`kvpool.memory.tiers.side_stream`): None on the CPU.
+
+A copy that raises fails the whole batch: the blocks it was to fill are reported unfilled
+(`on_unfilled(device ids, host ids)`: reloads and swap-ins on the device, spills and swap-outs
+on the host; their prefix-cache entries must go, their KV may never have arrived), the host
+blocks held for it are released once nothing can still read them, and the error goes on to
+the step, which is rolled back. (A swapped-out sequence whose copy failed is not told: it
+would resume from that host copy.)
 """
 
 from __future__ import annotations
@@ -67,13 +74,17 @@ class KVTransfers:
     """The queue of block copies between `device` and `host` (None: no host tier)."""
 
     def __init__(self, device: KVCache, host: KVCache | None, release_host,
-                 side_stream: SideStream | None = None) -> None:
+                 side_stream: SideStream | None = None,
+                 on_unfilled: Callable[[list[int], list[int]], None] = lambda d, h: None,
+                 ) -> None:
         """`release_host(ids)` drops the references held on host blocks for their copies;
         `side_stream`: the stream copies run on (default: one on a CUDA device, none on the
-        CPU; tests pass an ordering model)."""
+        CPU; tests pass an ordering model); `on_unfilled(device ids, host ids)`: the blocks a
+        failed batch was to fill."""
         self.device = device
         self.host = host
         self._release_host = release_host
+        self._on_unfilled = on_unfilled
         self._batch = _Batch()
         self.side_stream = side_stream or SideStream.for_device(device.tensor.device)
         # With a side stream only: copies issued but maybe unfinished: (event, device ids the
@@ -115,11 +126,26 @@ class KVTransfers:
         blocks the coming step writes (asked on CUDA only, to decide what it must wait for)."""
         batch, self._batch = self._batch, _Batch()
         if self.side_stream is None:
-            self._copy(batch, non_blocking=False)
+            self._copy_or_abandon(batch, non_blocking=False)
             if batch.held_host_ids:
                 self._release_host(batch.held_host_ids)
             return
         self._run_on_side_stream(batch, written_block_ids)
+
+    def _copy_or_abandon(self, batch: _Batch, non_blocking: bool) -> None:
+        """`_copy`; if it raises: what was queued finishes, the batch's destinations are
+        reported unfilled and its held host blocks released, and the error goes on."""
+        try:
+            self._copy(batch, non_blocking)
+        except BaseException:
+            if self.side_stream is not None:
+                self.side_stream.synchronize()  # nothing queued may still read a host block
+            self._on_unfilled([device_id for _, device_id in batch.in_]
+                              + [device_id for _, _, device_id in batch.from_disk],
+                              [host_id for _, host_id in batch.out])
+            if batch.held_host_ids:
+                self._release_host(batch.held_host_ids)
+            raise
 
     def _copy(self, batch: _Batch, non_blocking: bool) -> None:
         device, host = self.device, self.host
@@ -139,7 +165,7 @@ class KVTransfers:
         if batch.out or batch.in_ or batch.from_disk:
             side.wait_for_compute()
             with side.copying():
-                self._copy(batch, non_blocking=True)
+                self._copy_or_abandon(batch, non_blocking=True)
             event = side.record_event()
             copied_out = {device_id for device_id, _ in batch.out}
             self._in_flight.append((event, copied_out, batch.held_host_ids))
