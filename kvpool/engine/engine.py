@@ -12,8 +12,8 @@ when the last is full); when it finishes every block goes back.
 (and the batch's block copies); `sampler` picks one token per logits row; `scheduler.update`
 marks what was computed, forks, appends, applies the stop rules and frees the finished; the
 output processor turns every request that changed into a `RequestOutput` (cumulative, delta or
-final only, as each request asks). A step whose model or sampler raises is rolled back
-(`Scheduler.roll_back`) before the error propagates, so the engine can go on.
+final only, as each request asks). A step whose tier copies, model or sampler raise is rolled
+back (`Scheduler.roll_back`) before the error propagates, so the engine can go on.
 
 KV moves between tiers (`kvpool.memory.tiers`: spills, swaps, reloads from host, disk or
 Redis) by copies that scheduling queues and the step runs just before its model
@@ -246,11 +246,11 @@ class LLMEngine:
     def _execute_and_sample(self, batch: SchedulerOutput, clock: PhaseClock) -> SamplerOutput:
         """The tiers' copies, the model and the sampler; if any raises, the step is rolled
         back first."""
-        self.kv_tiers.before_step(batch.written_block_ids)
-        if not batch.chunks:
-            return SamplerOutput(token_ids=[], logprobs=[])
         num_used_blocks = self.kv_memory.pool.num_used_blocks
         try:
+            self.kv_tiers.before_step(batch.written_block_ids)
+            if not batch.chunks:
+                return SamplerOutput(token_ids=[], logprobs=[])
             logits = self.runner.execute(batch.chunks, batch.block_copies)
             model_seconds = clock.lap("model")
             sampled = self.sampler(logits.sampling,

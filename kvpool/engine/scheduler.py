@@ -272,11 +272,13 @@ class Scheduler:
 
     def roll_back(self, batch: SchedulerOutput) -> None:
         """Undo a step that failed before `update`: every scheduled sequence still running is
-        requeued with its KV dropped (its reserved slots never received KV)."""
+        requeued with its KV dropped (its reserved slots never received KV); then the
+        listeners hear it (`step_rolled_back`: the tiers write nothing the step published)."""
         for chunk in batch.chunks:
             if chunk.seq.status is SequenceStatus.RUNNING:
                 self.kv.drop(chunk.seq)
                 self._requeue(chunk.seq)
+        self.kv.listeners.step_rolled_back()
 
     def finish(self, seq: Sequence, reason: FinishReason,
                stop_reason: str | int | None = None) -> None:

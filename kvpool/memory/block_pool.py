@@ -348,6 +348,14 @@ class BlockPool:
         self.listeners.block_stored(self.medium, block_id, block_hash, parent_hash, token_ids)
         return True
 
+    def unpublish(self, block_id: int) -> None:
+        """Take a used block's hash back out of the prefix cache (the KV it was published for
+        never arrived: a failed copy); listeners hear `block_removed`. No-op if unhashed."""
+        self._check_referenced(block_id, "unpublish")
+        entry = self.prefix_cache.remove(block_id)
+        if entry is not None:
+            self.listeners.block_removed(self.medium, block_id, entry.block_hash)
+
     # -------------------------------------------------------------- reporting
     def allocation_counters(self) -> tuple[int, int]:
         """(blocks allocated, blocks freed) since the last counter reset."""

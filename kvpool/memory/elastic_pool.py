@@ -36,7 +36,9 @@ initial ones are taken again, so the same ids are online, in the same free order
 The pool's listeners (`kvpool.memory.kv_listener`; the `--kv-trace` recorder) hear every
 `grow` and `shrink` as one `pool_resized`: online blocks after, blocks added (negative:
 removed), {old id: new id} of the used blocks relocated, and the cached blocks dropped; the
-start-up segments and `reset` are not reported.
+start-up segments and `reset` are not reported. Before a grow, shrink or reset touches any
+block's bytes they hear `pool_resizing`: the KV tiers then make the compute stream (where the
+relocation copies and the zeroing run) wait for their side-stream copies still in flight.
 
 Invariants:
 - The arena's first block-sized range is the null block (id 0), zeroed, held for the pool's
@@ -176,6 +178,7 @@ class ElasticKVPool:
         num_blocks = self._next_segment_blocks()
         if num_blocks == 0:
             return False
+        self.pool.listeners.pool_resizing(self.pool.medium)  # the segment's bytes are zeroed
         self._add_segment(num_blocks)
         self._num_grows += 1
         self.pool.listeners.pool_resized(self.pool.medium, self.pool.num_blocks, num_blocks,
@@ -213,6 +216,7 @@ class ElasticKVPool:
         self._check_tables_hold(tables, segment, used_ids)
         if self.pool.num_allocatable_blocks < segment.num_blocks:
             return False  # the other segments cannot take the used blocks
+        self.pool.listeners.pool_resizing(self.pool.medium)  # copies in flight go first
         # Unused blocks go offline first, so relocation cannot pick them as destinations.
         unused_ids = [b for b in segment.block_ids if not self.pool.ref_count(b)]
         dropped = [b for b in unused_ids if self.pool.is_evictable(b)]
@@ -277,6 +281,7 @@ class ElasticKVPool:
         block pool reset, the counters zero."""
         if self.pool.num_used_blocks:
             raise ValueError(f"cannot reset with {self.pool.num_used_blocks} blocks in use")
+        self.pool.listeners.pool_resizing(self.pool.medium)
         for segment in list(self._segments):
             self._remove_segment(segment, segment.block_ids)
         for num_blocks in self._initial_segment_blocks:

@@ -8,11 +8,12 @@ tiers, the engine's KV cache manager), so a listener registered there once hears
     emitted by              events
     BlockPool               block_stored, block_evicted, pool_cleared
     ResizableBlockPool      block_removed (taken offline by an elastic shrink)
-    ElasticKVPool           pool_resized
+    ElasticKVPool           pool_resizing, pool_resized
     KVTiers                 block_spilled
     KVCacheManager          prefix_hit, blocks_allocated, blocks_freed, table_forked,
                             block_copied_on_write, sequence_preempted, sequence_swapped_in
     the engine              request_arrived, request_finished, step_ended
+    Scheduler               step_rolled_back
 
 Listeners today: the tiers (`KVTiers` on the device pool: spill and write-through; the host
 pool's host->disk spill), the KV event log, the `--kv-trace` recorder and the device pool's
@@ -55,6 +56,11 @@ class KVListener:
 
     def pool_cleared(self, medium: str) -> None:
         """The pool is about to drop every hash it holds (a reset)."""
+
+    def pool_resizing(self, medium: str) -> None:
+        """An elastic grow, shrink or reset is about to relocate or zero blocks (on the
+        compute stream): whoever has copies in flight that read or write the pool's KV must
+        have that stream wait for them now."""
 
     def pool_resized(self, medium: str, num_online_blocks: int, delta: int,
                      moved: Mapping[int, int], dropped: Sequence[int]) -> None:
@@ -105,6 +111,11 @@ class KVListener:
 
     def step_ended(self, next_step: int) -> None:
         """The engine finished a step; later events belong to step `next_step`."""
+
+    def step_rolled_back(self) -> None:
+        """The step failed and was undone (`Scheduler.roll_back`): its sequences' blocks are
+        freed (what the step published may be reused before the next step ends), and no
+        `step_ended` follows for it."""
 
 
 class KVListeners(KVListener):
@@ -157,6 +168,10 @@ class KVListeners(KVListener):
     def pool_cleared(self, medium: str) -> None:
         for listener in self._listeners:
             listener.pool_cleared(medium)
+
+    def pool_resizing(self, medium: str) -> None:
+        for listener in self._listeners:
+            listener.pool_resizing(medium)
 
     def pool_resized(self, medium: str, num_online_blocks: int, delta: int,
                      moved: Mapping[int, int], dropped: Sequence[int]) -> None:
@@ -214,3 +229,7 @@ class KVListeners(KVListener):
     def step_ended(self, next_step: int) -> None:
         for listener in self._listeners:
             listener.step_ended(next_step)
+
+    def step_rolled_back(self) -> None:
+        for listener in self._listeners:
+            listener.step_rolled_back()

@@ -44,11 +44,22 @@ PROMPTS = [
 def make_engine(smollm2) -> Iterator[Callable[..., LLMEngine]]:
     """Build engines over the shared model; after the test, every engine's pool, host tier
     and disk tier must be back to blocks free or cached (no leaks), their invariants holding."""
+    yield from _engines_over(smollm2)
+
+
+@pytest.fixture
+def make_fast_engine(fast_model) -> Iterator[Callable[..., LLMEngine]]:
+    """`make_engine` over the two-layer random model (`fast_model`): steps in milliseconds,
+    for tests about KV bookkeeping rather than the model's text."""
+    yield from _engines_over(fast_model)
+
+
+def _engines_over(model) -> Iterator[Callable[..., LLMEngine]]:
     engines: list[LLMEngine] = []
 
     def factory(**options) -> LLMEngine:
         config = EngineConfig(**options)
-        engine = LLMEngine(config, build_engine_parts(config, smollm2))
+        engine = LLMEngine(config, build_engine_parts(config, model))
         engines.append(engine)
         return engine
 

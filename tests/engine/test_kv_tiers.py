@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
+from kvpool.engine.sampling_params import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all, token_ids
 
 pytestmark = pytest.mark.slow
@@ -181,3 +183,91 @@ def test_a_full_disk_turns_the_tier_off_with_a_warning_and_loses_nothing(
     assert not disk.is_enabled and disk.num_write_errors >= 1
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "disk" in warnings[0].getMessage().lower()
+
+
+def _generate(engine, prompt: str, salt: str, params=GREEDY):
+    request = engine.add_request(prompt, params, cache_salt=salt)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return request
+
+
+def _fail_next_step(engine) -> None:
+    execute = engine.runner.execute
+
+    def fail_once(*args, **kwargs):
+        engine.runner.execute = execute
+        raise RuntimeError("the device fell over")
+
+    engine.runner.execute = fail_once
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.step()
+
+
+def test_a_failed_step_never_writes_another_tenants_kv_under_a_prefix_hash(
+        make_fast_engine, tmp_path):
+    """Tenant A's prefix comes back from the host in a step that fails; tenant B's requests
+    take the freed blocks in the next step. Written through after that step, B's KV would sit
+    on disk under A's hashes, and a restarted engine would answer A from it."""
+    bytes_per_block = make_fast_engine(dtype="float32").kv_memory.layout.bytes_per_block
+    options = {"dtype": "float32", "num_gpu_blocks": 16, "swap_space": 0.01,
+               "kv_disk_cache": str(tmp_path),
+               # Four blocks' files: the fillers' blocks push A's out of the disk tier.
+               "kv_disk_cache_size": 4 * (bytes_per_block + 1024)}
+    prompt_a = "Patient record: " + "the harbour master logged tides and moorings today. " * 6
+    engine = make_fast_engine(**options)
+    first = _generate(engine, prompt_a, "tenant-a")
+    expected = first.sequences[0].output_token_ids
+    fillers = [f"Filler {index}: " + "lorem ipsum dolor sit amet " * 12 for index in range(4)]
+    run_all(engine, fillers)
+    disk, host = engine.kv_tiers.disk, engine.kv_tiers.host
+    disk.flush()
+    hashes, tokens = first.sequences[0].block_hashes[:3], first.prompt_token_ids
+    chunks = [tokens[16 * index: 16 * (index + 1)] for index in range(3)]
+    assert [disk.contains(block_hash) for block_hash in hashes] == [False] * 3
+    assert all(host.holds(h, t) for h, t in zip(hashes, chunks, strict=True))
+
+    again = engine.add_request(prompt_a, GREEDY, cache_salt="tenant-a")
+    _fail_next_step(engine)  # A's prefix was copied up from the host, then the model failed
+    assert engine.stats().cached_tokens_by_tier["host"] == 48
+    engine.abort_request(again.request_id)
+    one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    run_all(engine, [f"Tenant B note {index}:" for index in range(16)], one_token)
+    disk.flush()
+    for block_hash, chunk in zip(hashes, chunks, strict=True):
+        stored = disk.load(block_hash, chunk)
+        held = host.kv_cache.tensor[host.pool.prefix_cache.lookup(block_hash, chunk)]
+        assert stored is None or torch.equal(stored.kv, held), "another tenant's KV on disk"
+    engine.reset_stats()  # the host's spilled blocks go; the disk keeps its files
+    engine.close()
+
+    restarted = make_fast_engine(**options)
+    assert _generate(restarted, prompt_a, "tenant-a").sequences[0].output_token_ids == expected
+
+
+def test_a_failed_reload_copy_is_rolled_back_and_its_blocks_never_found(make_fast_engine):
+    """The copies run before the model, inside the step's roll-back: a reload whose copy
+    fails leaves no sequence with slots it never filled, no host block held, and no device
+    block cached under a hash whose KV never arrived."""
+    engine = make_fast_engine(dtype="float32", num_gpu_blocks=16, swap_space=0.01)
+    prompt = "Patient record: " + "the harbour master logged tides and moorings today. " * 6
+    expected = _generate(engine, prompt, "tenant-a").sequences[0].output_token_ids
+    run_all(engine, [f"Filler {index}: " + "lorem ipsum dolor sit amet " * 12
+                     for index in range(4)])
+    transfers = engine.kv_tiers.transfers
+    copy = transfers._copy
+
+    def fail_once(*args, **kwargs):
+        transfers._copy = copy
+        raise RuntimeError("the copy fell over")
+
+    transfers._copy = fail_once
+    request = engine.add_request(prompt, GREEDY, cache_salt="tenant-a")
+    with pytest.raises(RuntimeError, match="copy fell over"):
+        engine.step()
+    engine.check_invariants()
+    reloaded = request.sequences[0].block_hashes[:3]  # copied up from the host: never filled
+    assert not any(engine.kv_memory.pool.prefix_cache.holds(h) for h in reloaded)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.sequences[0].output_token_ids == expected

@@ -113,6 +113,28 @@ def test_queued_bytes_are_bounded_and_the_excess_is_dropped_and_counted(redis_se
     tier.close()
 
 
+def test_a_value_in_redis_is_never_overwritten_only_known(redis_server):
+    """Keys are content-addressed: a second write of a hash (other KV under it, as a failed
+    step once produced) keeps the first value (SET NX) and is neither stored nor dropped."""
+    layout = make_layout("float32")
+    first, second = make_tier(redis_server.url, layout), make_tier(redis_server.url, layout)
+    store_all(first, layout, [0])
+    client = redis_server.client()
+    value = client.get(key_of(layout, 0))
+    block_hash, tokens, kv, scales = make_block(layout, 0)
+    second.store(block_hash, tokens, kv + 1, scales)
+    assert second.flush(timeout=5)
+    assert client.get(key_of(layout, 0)) == value
+    stats = second.stats()
+    assert (stats.num_stored_blocks, stats.num_dropped_writes) == (0, 0)
+    assert second.wanted([block_hash]) == set()  # known to be there now
+    [loaded] = second.load_run([block_hash], [tokens])
+    assert same_bits(loaded.kv, kv)
+    for tier in (first, second):
+        tier.check_invariants()
+        tier.close()
+
+
 def test_close_waits_a_bounded_time_on_a_hung_redis(redis_server):
     layout = make_layout("float32")
     tier = make_tier(redis_server.url, layout)
@@ -151,6 +173,28 @@ def test_killed_redis_degrades_to_nothing_then_comes_back(redis_server, caplog):
     assert tier.find(hashes) == [False, False]  # the memo was cleared with the old Redis
     store_all(tier, layout, [0, 1])  # block 0 again: no longer assumed to be there
     assert tier.find(hashes) == [True, True] and redis_server.client().dbsize() == 2
+    tier.check_invariants()
+    tier.close()
+
+
+def test_a_redis_restarted_between_calls_is_noticed_and_its_lost_blocks_written_again(
+        redis_server, caplog):
+    """No outage is seen (the client reconnects on its own, no probe runs in between), but the
+    new Redis has a new run_id: the memo goes, so the blocks it lost are written again."""
+    layout = make_layout("float32")
+    tier = make_tier(redis_server.url, layout, probe_interval=3600)  # no idle probe here
+    store_all(tier, layout, [0])
+    hashes = [make_block(layout, key)[0] for key in range(2)]
+    assert tier.wanted(hashes[:1]) == set()  # known to be in Redis
+    redis_server.stop()
+    redis_server.start()  # empty, on the same port
+    assert tier.find(hashes[1:]) == [False]  # a call: the client reconnects transparently
+    stats = tier.stats()
+    assert stats.is_up and (stats.num_errors, stats.num_reconnects) == (0, 0)
+    assert tier.wanted(hashes[:1]) == {hashes[0]}  # lost with the old Redis: wanted again
+    assert tier.link.num_restarts == 1 and "restarted" in shared_warnings(caplog)[-1]
+    store_all(tier, layout, [0])
+    assert redis_server.client().exists(key_of(layout, 0)) == 1
     tier.check_invariants()
     tier.close()
 

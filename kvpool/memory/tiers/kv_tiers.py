@@ -16,13 +16,19 @@ and what moves between them.
   after the step that computed it (`after_step`: one host snapshot of the blocks either lacks,
   handed to each tier's writer thread), so a restart or another replica finds it; a block the
   shared tier knows to be in Redis (reloaded from there, say) is not written back. At a clean
-  shutdown (`close`) spilled host blocks the disk lacks follow.
+  shutdown (`close`) spilled host blocks the disk lacks follow. A step that fails
+  (`step_rolled_back`) writes nothing, and a queued block is written only while the device's
+  prefix cache still maps it to the hash it was queued under: a block freed and taken by
+  another request meanwhile holds that request's KV, which must never go out under the hash.
 - Reload: a prefix lookup that ends on the device walks on (`find_below`): host, then disk,
   then shared, block by block, while the hash chain matches (`kvpool.memory.tiers.tier_match`); disk
   and shared blocks are read and validated (`validate`) once the admission is known to fit;
   then `reload` queues the copies into new device blocks.
 - Swap: `swap_out` copies a sequence's blocks to host blocks it owns; `swap_in` copies them
   back into new device blocks and frees them.
+
+An elastic device pool's resize waits for the copies in flight (`pool_resizing`:
+`KVTransfers.wait_all`) before it relocates or zeroes blocks.
 
 Every key is the salted chained hash (`kvpool.memory.prefix_cache`), so a tenant's blocks are
 found only under its own salt, in every tier. Copies are queued (`kvpool.memory.tiers.kv_transfer`)
@@ -85,7 +91,8 @@ class KVTiers(KVListener):
         self._lookup = TierLookup(device_pool.block_size, self.tiers)
         self.bytes_per_block = device_pool.layout.bytes_per_block
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
-                                     host.pool.free if host else _nothing_to_release)
+                                     host.pool.free if host else _nothing_to_release,
+                                     on_unfilled=self._unpublish)
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
         if self.tiers:
             device_pool.listeners.add(self, reacts=True)
@@ -145,6 +152,10 @@ class KVTiers(KVListener):
         self._num_spilled += 1
         self.device_pool.listeners.block_spilled(block_id)
 
+    def pool_resizing(self, medium: str) -> None:
+        """Copies in flight first: the resize may move or zero blocks they read or write."""
+        self.transfers.wait_all()
+
     # ---------------------------------------------------------------- reload
     def find_below(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
                    first_block: int, num_blocks: int) -> TierMatch:
@@ -202,18 +213,36 @@ class KVTiers(KVListener):
     # ------------------------------------------------------------- the step
     def before_step(self, written_block_ids: Callable[[], Collection[int]] = frozenset) -> None:
         """Run the queued copies (before the step's model); `written_block_ids()`: the device
-        blocks the step writes (`KVTransfers.run`)."""
+        blocks the step writes (`KVTransfers.run`). If a copy fails, the blocks it was to fill
+        leave the device's prefix cache before the error goes on (`_unpublish`)."""
         self.transfers.run(written_block_ids)
+
+    def _unpublish(self, device_ids: list[int], host_ids: list[int]) -> None:
+        """Blocks a failed copy left without their KV: reloaded or swapped-in device blocks
+        (published at admission; the step's roll-back frees them) and spilled host blocks
+        (published when spilled) must not be found under their hashes."""
+        for block_id in device_ids:
+            self.device_pool.unpublish(block_id)
+        for block_id in host_ids:
+            self.host.pool.unpublish(block_id)
 
     def step_ended(self, next_step: int) -> None:
         self.after_step()
 
+    def step_rolled_back(self) -> None:
+        """A failed step: what it published is not written through (`roll_back` freed its
+        blocks, which may hold another request's KV by the next step that succeeds)."""
+        self._to_write.clear()
+
     def after_step(self) -> None:
         """Write the blocks the step published through to the tiers that want them (off the
-        critical path: each tier's writer thread does the I/O; one snapshot serves all)."""
+        critical path: each tier's writer thread does the I/O; one snapshot serves all).
+        Only a block still cached under the hash it was published with is written: its KV
+        is that hash's (a block freed and reused since holds someone else's)."""
         if not self._to_write:
             return
         pending, self._to_write = self._to_write, []
+        pending = [item for item in pending if self._still_holds(item[0], item[1])]
         hashes = [block_hash for _, block_hash, _ in pending]
         wanted = [(tier, tier.wanted(hashes)) for tier in self.tiers]
         wanted = [(tier, hashes) for tier, hashes in wanted if hashes]
@@ -226,6 +255,10 @@ class KVTiers(KVListener):
             for tier, hashes in wanted:
                 if block_hash in hashes:
                     tier.store(block_hash, token_ids, snapshot.kv[row], scales, snapshot.ready)
+
+    def _still_holds(self, block_id: int, block_hash: BlockHash) -> bool:
+        entry = self.device_pool.prefix_cache.entry(block_id)
+        return entry is not None and entry.block_hash == block_hash
 
     def close(self) -> None:
         """Clean shutdown: finish every copy, write spilled host blocks the disk lacks, wait

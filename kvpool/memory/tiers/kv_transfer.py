@@ -24,6 +24,20 @@ compute). Held host blocks are released once the side stream's event reports the
 Snapshots for the disk tier (`snapshot`) are copied on the side stream after the step's
 compute; the disk tier's writer thread waits for them, and a later step only if it writes one
 of the blocks being read (an evicted block reused), like a copy-out.
+
+An elastic resize (`kvpool.memory.elastic_pool`) relocates and zeroes device blocks on the
+compute stream, outside any step: before it does, the compute stream waits for every copy in
+flight (`wait_all`, on the pool's `pool_resizing`), since a block a copy-out still reads may
+be a relocation's destination, or come back online (zeroed) in a regrown segment.
+
+The side stream is a `SideStream` (`kvpool.memory.tiers.side_stream`): None on the CPU.
+
+A copy that raises fails the whole batch: the blocks it was to fill are reported unfilled
+(`on_unfilled(device ids, host ids)`: reloads and swap-ins on the device, spills and swap-outs
+on the host; their prefix-cache entries must go, their KV may never have arrived), the host
+blocks held for it are released once nothing can still read them, and the error goes on to
+the step, which is rolled back. (A swapped-out sequence whose copy failed is not told: it
+would resume from that host copy.)
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.tiers.side_stream import SideStream
 
 
 @dataclass(slots=True)
@@ -58,17 +73,22 @@ class Snapshot:
 class KVTransfers:
     """The queue of block copies between `device` and `host` (None: no host tier)."""
 
-    def __init__(self, device: KVCache, host: KVCache | None, release_host) -> None:
-        """`release_host(ids)` drops the references held on host blocks for their copies."""
+    def __init__(self, device: KVCache, host: KVCache | None, release_host,
+                 side_stream: SideStream | None = None,
+                 on_unfilled: Callable[[list[int], list[int]], None] = lambda d, h: None,
+                 ) -> None:
+        """`release_host(ids)` drops the references held on host blocks for their copies;
+        `side_stream`: the stream copies run on (default: one on a CUDA device, none on the
+        CPU; tests pass an ordering model); `on_unfilled(device ids, host ids)`: the blocks a
+        failed batch was to fill."""
         self.device = device
         self.host = host
         self._release_host = release_host
+        self._on_unfilled = on_unfilled
         self._batch = _Batch()
-        self._stream = None
-        if device.tensor.device.type == "cuda":
-            self._stream = torch.cuda.Stream(device.tensor.device)
-        # CUDA only: copies issued but maybe unfinished: (event, device ids the side stream
-        # reads, host ids held until done).
+        self.side_stream = side_stream or SideStream.for_device(device.tensor.device)
+        # With a side stream only: copies issued but maybe unfinished: (event, device ids the
+        # side stream reads, host ids held until done).
         self._in_flight: list[tuple[torch.cuda.Event, set[int], list[int]]] = []
 
     @property
@@ -105,12 +125,27 @@ class KVTransfers:
         """Carry out every queued copy (module docstring); `written_block_ids()` are the device
         blocks the coming step writes (asked on CUDA only, to decide what it must wait for)."""
         batch, self._batch = self._batch, _Batch()
-        if self._stream is None:
-            self._copy(batch, non_blocking=False)
+        if self.side_stream is None:
+            self._copy_or_abandon(batch, non_blocking=False)
             if batch.held_host_ids:
                 self._release_host(batch.held_host_ids)
             return
         self._run_on_side_stream(batch, written_block_ids)
+
+    def _copy_or_abandon(self, batch: _Batch, non_blocking: bool) -> None:
+        """`_copy`; if it raises: what was queued finishes, the batch's destinations are
+        reported unfilled and its held host blocks released, and the error goes on."""
+        try:
+            self._copy(batch, non_blocking)
+        except BaseException:
+            if self.side_stream is not None:
+                self.side_stream.synchronize()  # nothing queued may still read a host block
+            self._on_unfilled([device_id for _, device_id in batch.in_]
+                              + [device_id for _, _, device_id in batch.from_disk],
+                              [host_id for _, host_id in batch.out])
+            if batch.held_host_ids:
+                self._release_host(batch.held_host_ids)
+            raise
 
     def _copy(self, batch: _Batch, non_blocking: bool) -> None:
         device, host = self.device, self.host
@@ -125,23 +160,23 @@ class KVTransfers:
 
     def _run_on_side_stream(self, batch: _Batch,
                             written_block_ids: Callable[[], Collection[int]]) -> None:
-        compute = torch.cuda.current_stream(self.device.tensor.device)
+        side = self.side_stream
         self._retire_finished()
         if batch.out or batch.in_ or batch.from_disk:
-            self._stream.wait_stream(compute)
-            with torch.cuda.stream(self._stream):
-                self._copy(batch, non_blocking=True)
-            event = self._stream.record_event()
+            side.wait_for_compute()
+            with side.copying():
+                self._copy_or_abandon(batch, non_blocking=True)
+            event = side.record_event()
             copied_out = {device_id for device_id, _ in batch.out}
             self._in_flight.append((event, copied_out, batch.held_host_ids))
             if batch.in_ or batch.from_disk:
-                compute.wait_event(event)  # the step reads what was just loaded
+                side.make_compute_wait(event)  # the step reads what was just loaded
         if not any(copied_out for _, copied_out, _ in self._in_flight):
             return
         written = set(written_block_ids())
         for event, copied_out, _ in self._in_flight:
             if copied_out & written:
-                compute.wait_event(event)
+                side.make_compute_wait(event)
 
     def _retire_finished(self) -> None:
         still_running = []
@@ -153,11 +188,22 @@ class KVTransfers:
                 still_running.append((event, copied_out, held))
         self._in_flight = still_running
 
+    def wait_all(self) -> None:
+        """Make the compute stream wait for every copy in flight, device side (`pool_resizing`:
+        an elastic resize is about to relocate or zero device blocks on it). Copies queued
+        but not yet run name online blocks only, which a grow does not touch; a shrink comes
+        between steps, when none is queued."""
+        if self.side_stream is None:
+            return  # the CPU's copies were done by `run()`
+        self._retire_finished()
+        for event, _, _ in self._in_flight:
+            self.side_stream.make_compute_wait(event)
+
     def synchronize(self) -> None:
         """Run what is queued and wait for every copy (shutdown, reset, tests)."""
         self.run()
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self.side_stream is not None:
+            self.side_stream.synchronize()
             self._retire_finished()
         assert not self._in_flight and self.num_queued == 0
 
@@ -166,14 +212,15 @@ class KVTransfers:
         """CPU copies of `device_ids`' KV (after everything the compute stream queued)."""
         device = self.device
         index = torch.tensor(device_ids, dtype=torch.int64, device=device.tensor.device)
-        if self._stream is None:
+        side = self.side_stream
+        if side is None:
             scales = None if device.scales is None else device.scales[index]
             return Snapshot(device.tensor[index], scales, None)
-        self._stream.wait_stream(torch.cuda.current_stream(device.tensor.device))
-        with torch.cuda.stream(self._stream):
-            kv = _to_pinned(device.tensor[index])
-            scales = None if device.scales is None else _to_pinned(device.scales[index])
-        event = self._stream.record_event()
+        side.wait_for_compute()
+        with side.copying():
+            kv = side.to_host(device.tensor[index])
+            scales = None if device.scales is None else side.to_host(device.scales[index])
+        event = side.record_event()
         # The side stream reads these blocks: a step that writes one waits for it (`run`).
         self._in_flight.append((event, set(device_ids), []))
         return Snapshot(kv, scales, event)
@@ -184,9 +231,3 @@ def copy_block(dst: KVCache, dst_id: int, src: KVCache, src_id: int, non_blockin
     dst.tensor[dst_id].copy_(src.tensor[src_id], non_blocking=non_blocking)
     if src.scales is not None:
         dst.scales[dst_id].copy_(src.scales[src_id], non_blocking=non_blocking)
-
-
-def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    out.copy_(tensor, non_blocking=True)
-    return out

@@ -10,8 +10,15 @@ notices an outage too. On the first answer (at start or later), `maxmemory` and
 `maxmemory-policy` are read once: a warning when the capacity is unbounded or not LRU; a
 refused CONFIG (managed Redis) is ignored.
 
-Invariants: `num_errors` and `num_reconnects` only grow; `num_reconnects` never exceeds the
-outages (one warning each) seen so far.
+A Redis that restarted between two calls is no outage here: the client reconnects on its own
+(a socket the server closed is replaced when next taken from the pool). So every new
+connection reads the server's `run_id` (INFO server) after its handshake; a `run_id` other than
+the last one seen means another Redis process answers now, maybe empty, and `on_reconnect`
+runs as after an outage (the memo of what Redis holds is cleared, so lost blocks are written
+again). A refused INFO (managed Redis) leaves only outages to tell.
+
+Invariants: `num_errors`, `num_reconnects` and `num_restarts` only grow; `num_reconnects`
+never exceeds the outages (one warning each) seen so far.
 """
 
 from __future__ import annotations
@@ -34,19 +41,23 @@ class RedisLink:
     """A Redis client with a timeout, and the up/down state of the Redis behind it."""
 
     def __init__(self, url: str, timeout: float, on_reconnect: Callable[[], None]) -> None:
-        """Connects lazily: call `probe` to learn whether Redis answers."""
+        """Connects lazily: call `probe` to learn whether Redis answers. `on_reconnect` runs
+        when Redis answers again after an outage or a restart (module docstring)."""
         self.url = redacted(url)
         self.timeout = timeout
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+            redis_connect_func=self._on_connect)
         self._on_reconnect = on_reconnect
         self._lock = threading.Lock()
         self._is_up = True
         self._is_config_checked = False
+        self._run_id: str | None = None  # the server's, as of the last connection
         self.num_errors = 0
         self.num_reconnects = 0
         self.num_outages = 0
+        self.num_restarts = 0  # new run_ids seen on a connection
 
     @property
     def is_up(self) -> bool:
@@ -92,6 +103,20 @@ class RedisLink:
     def close(self) -> None:
         self.client.close()
 
+    def _on_connect(self, connection: redis.connection.AbstractConnection) -> None:
+        """A new connection: the client's own handshake, then the server's run_id checked
+        (called by the client, on whichever thread makes the call that connects)."""
+        connection.on_connect()
+        run_id = _server_run_id(connection)
+        with self._lock:
+            is_restart = None not in (run_id, self._run_id) and run_id != self._run_id
+            self._run_id = run_id or self._run_id
+            self.num_restarts += is_restart
+        if is_restart:
+            logger.warning("shared KV tier: Redis at %s restarted (new run_id); forgetting what "
+                           "it held", self.url)
+            self._on_reconnect()
+
     def _check_config(self) -> None:
         try:
             maxmemory = self.client.config_get("maxmemory").get("maxmemory")
@@ -106,6 +131,20 @@ class RedisLink:
         if policy != "allkeys-lru":
             logger.warning("Redis at %s evicts by maxmemory-policy %r: the shared KV tier "
                            "expects allkeys-lru", self.url, policy)
+
+
+def _server_run_id(connection: redis.connection.AbstractConnection) -> str | None:
+    """The server's `run_id` (a new one at every start), or None if INFO is refused."""
+    connection.send_command("INFO", "server")
+    try:
+        info = connection.read_response()
+    except redis.ResponseError:
+        return None
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        if line.startswith("run_id:"):
+            return line.partition(":")[2].strip()
+    return None
 
 
 def redacted(url: str) -> str:

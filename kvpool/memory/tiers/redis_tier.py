@@ -20,7 +20,8 @@ no round trip, and a bounded set of hashes known to be in Redis, which `store` s
 reloaded from Redis and published on the device is not written back.
 
 Writes never wait on Redis: `store` queues a host snapshot of the block, and ONE daemon writer
-thread (`kvpool.memory.tiers.redis_writer`) encodes and SETs, pipelined. Queued bytes are bounded
+thread (`kvpool.memory.tiers.redis_writer`) encodes and SETs, pipelined, only where no value is
+(SET NX: a key names its content, so a value there is never overwritten). Queued bytes are bounded
 (`max_pending_bytes`): a store past it is dropped and counted. The same thread deletes rejected
 keys and, when idle, probes Redis every `probe_interval` seconds.
 
@@ -117,7 +118,8 @@ class RedisKVTier(LowerTier):
         self._is_closed = False
         self.link = RedisLink(url, timeout, self._forget_everything)
         self.link.probe()
-        self.writer = RedisWriter(self.link, max_pending_bytes, probe_interval, self._stored)
+        self.writer = RedisWriter(self.link, max_pending_bytes, probe_interval, self._stored,
+                                  self._present)
 
     # ------------------------------------------------------------ engine thread
     @property
@@ -280,6 +282,11 @@ class RedisKVTier(LowerTier):
         with self._lock:
             self._counters.num_stored_blocks += 1
             self._counters.num_stored_bytes += num_bytes
+            self._memo.remember(block_hash, True, time.monotonic())
+
+    def _present(self, block_hash: BlockHash) -> None:
+        """The writer's report: Redis already held the block (another replica wrote it)."""
+        with self._lock:
             self._memo.remember(block_hash, True, time.monotonic())
 
     def _forget_everything(self) -> None:

@@ -8,8 +8,13 @@ is down is dropped unsent; one that fails takes the link down (`RedisLink.failed
 dropped too; a command Redis refuses (out of memory...) is an error, not an outage. When the
 queue is idle for `probe_interval` seconds, the thread probes Redis (`RedisLink.probe`).
 
-A written block is reported (`on_stored`) before it stops being pending, so that at no moment
-is it neither: the tier never queues it twice.
+Keys are content-addressed (the salted chained hash names the tokens, hence the KV), so a write
+is a SET NX: a value already there is kept, never overwritten, and the block is reported
+present (`on_present`), neither stored nor dropped. So a bad write cannot replace a good value
+(only a value that fails validation is deleted, by the tier, and so can be written again).
+
+A written block is reported (`on_stored`, `on_present`) before it stops being pending, so that
+at no moment is it neither: the tier never queues it twice.
 
 Invariants (`check_invariants`): the queued bytes are those of the pending writes, never over
 `max_pending_bytes`, and nothing is pending after `flush`.
@@ -34,6 +39,7 @@ from kvpool.memory.tiers.redis_link import RedisLink
 logger = logging.getLogger(__name__)
 
 _MAX_BATCH = 16  # commands per pipeline
+_UNSENT = object()  # the reply of a command never sent (Redis down, or the pipeline failed)
 
 
 @dataclass(slots=True)
@@ -57,12 +63,15 @@ class RedisWriter:
     """The write queue and the thread that empties it into Redis."""
 
     def __init__(self, link: RedisLink, max_pending_bytes: int, probe_interval: float,
-                 on_stored: Callable[[BlockHash, int], None]) -> None:
-        """`on_stored(hash, value bytes)`: a block is in Redis."""
+                 on_stored: Callable[[BlockHash, int], None],
+                 on_present: Callable[[BlockHash], None]) -> None:
+        """`on_stored(hash, value bytes)`: a block was written to Redis; `on_present(hash)`:
+        Redis already held a value for it (kept: SET NX)."""
         self.link = link
         self.max_pending_bytes = max_pending_bytes
         self.probe_interval = probe_interval
         self._on_stored = on_stored
+        self._on_present = on_present
         self._lock = threading.Lock()  # guards the four below
         self._drained = threading.Condition(self._lock)  # notified as the queue empties
         self._pending: dict[BlockHash, int] = {}  # queued or being written → tensor bytes
@@ -144,8 +153,8 @@ class RedisWriter:
                 return
 
     def _write(self, batch: list[BlockWrite | _Delete]) -> None:
-        """One pipeline of SETs and DELs; if Redis fails, the batch is dropped (counted)."""
-        replies: list[object] = [None] * len(batch)  # None: not sent (Redis is down)
+        """One pipeline of SET NXs and DELs; if Redis fails, the batch is dropped (counted)."""
+        replies: list[object] = [_UNSENT] * len(batch)
         sizes: list[int] = [0] * len(batch)
         try:
             if batch and self.link.is_up:
@@ -159,7 +168,7 @@ class RedisWriter:
                     value = encode_block(item.namespace, item.block_hash, item.token_ids,
                                          item.kv, item.scales)
                     sizes[index] = len(value)
-                    pipe.set(item.key, value)
+                    pipe.set(item.key, value, nx=True)  # True: written; None: kept
                 replies = pipe.execute(raise_on_error=False)
         except Exception as error:  # down or slow, or a failed `ready`: the batch is lost
             self.link.failed(error)
@@ -177,10 +186,12 @@ class RedisWriter:
         for item, reply, size in zip(batch, replies, sizes, strict=True):
             if isinstance(item, BlockWrite) and reply is True:
                 self._on_stored(item.block_hash, size)
+            elif isinstance(item, BlockWrite) and reply is None:
+                self._on_present(item.block_hash)
         with self._drained:
             for item, reply in zip(batch, replies, strict=True):
                 if isinstance(item, BlockWrite):
                     del self._pending[item.block_hash]
-                    self._num_dropped += reply is not True
+                    self._num_dropped += reply is not True and reply is not None
             self._num_queued -= len(batch)
             self._drained.notify_all()
