@@ -6,11 +6,12 @@ compile in flight per tenant.
                             400            429 after           400 past compile_timeout
                                            compile_timeout     (503 if it never started)
 
-xgrammar cannot stop a compile once it has begun, so a compile past its timeout keeps its
-pool thread until it ends (its grammar is then cached, as any). The bounds keep that cost
-fixed: the request gets its 400 at the timeout, and the tenant's slot stays taken until the
-compile really ends, so one tenant holds at most one compile thread however many requests it
-sends; the others find a thread free while fewer tenants than `max_compile_threads` are busy.
+A compile runs in a child process killed at `compile_timeout` (`GrammarCompiler.compile`
+with a timeout; xgrammar cannot stop a compile, so a thread would keep its core busy for
+minutes after the 400): the CPU one request costs is bounded, not only its wait. A grammar
+already compiled (`GrammarCompiler.lookup`) takes neither a slot nor a thread. One tenant
+holds at most one compile thread however many requests it sends; the others find a thread
+free while fewer tenants than `max_compile_threads` are busy.
 
 Invariant: a tenant's slot is held exactly while a compile it asked for is queued or running.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,8 @@ class BoundedGrammarCompiler:
         too large, refused by xgrammar or past the timeout; OpenAIError 429 while the tenant's
         previous compile still runs, 503 if no compile thread came free in time."""
         self.bounds.check_size(spec)
+        if self.compiler.lookup(spec) is not None:
+            return
         timeout = self.bounds.compile_timeout
         slot = self._slot(tenant)
         if not slot.acquire(timeout=timeout):
@@ -98,26 +100,28 @@ class BoundedGrammarCompiler:
         self._wait(future, spec)
 
     def shutdown(self) -> None:
-        """Start no more compiles (those running end on their own)."""
+        """Start no more compiles (those running end at their timeout) and stop the idle
+        compiler processes."""
         self._pool.shutdown(wait=False)
+        self.compiler.close()
 
     def _wait(self, future: Future, spec: StructuredOutputsParams) -> None:
-        timeout = self.bounds.compile_timeout
         try:
-            future.result(timeout=timeout)
-        except FutureTimeout as error:
+            future.result()
+        except TimeoutError as error:  # the compile was stopped at the timeout
             raise InvalidRequestError(
-                f"the {_NAMES[spec.kind]} did not compile within {timeout:g} s: it is too "
-                f"complex (bounded repetitions such as {{0,100000}} unroll into large grammars)",
+                f"the {_NAMES[spec.kind]} did not compile within "
+                f"{self.bounds.compile_timeout:g} s: it is too complex (bounded repetitions "
+                f"such as {{0,100000}} unroll into large grammars)",
                 f"structured_outputs.{spec.kind}") from error
 
     def _compile_holding(self, slot: threading.Lock, started: threading.Event,
                          spec: StructuredOutputsParams) -> None:
         started.set()
         try:
-            self.compiler.compile(spec)
+            self.compiler.compile(spec, timeout=self.bounds.compile_timeout)
         finally:
-            slot.release()  # the compile has really ended, even past the caller's timeout
+            slot.release()
 
     def _slot(self, tenant: str) -> threading.Lock:
         with self._slots_lock:

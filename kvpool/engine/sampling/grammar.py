@@ -8,7 +8,9 @@ threads ask for at once is compiled once: the others wait for the first. Compili
 milliseconds to seconds, so callers do it before a request reaches the engine's step loop:
 the async engine compiles in a worker thread, the server while validating input;
 `LLMEngine.add_request` then only hits the cache (offline, `add_request` is itself "ahead" of
-the steps).
+the steps). `compile(spec, timeout=t)` compiles in a child process killed at the deadline
+(`kvpool.engine.grammar_process`: xgrammar cannot stop a compile, so a thread would keep its
+core busy); the server compiles that way. `lookup(spec)` is the cache alone.
 
 `GrammarMatcher` is one sequence's position in its grammar: `fill` writes the allowed next
 tokens into a row of an int32 bitmask (bit `t % 32` of word `t // 32` set: token t allowed),
@@ -21,7 +23,6 @@ never allowed.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -33,6 +34,12 @@ from typing import TYPE_CHECKING
 import xgrammar
 
 from kvpool.engine.errors import InvalidRequestError
+from kvpool.engine.grammar_process import (
+    GrammarProcesses,
+    choice_grammar,
+    compile_spec,
+    new_compiler,
+)
 from kvpool.engine.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -139,7 +146,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # guards the cache
         self._init_lock = threading.Lock()  # guards building xgrammar's compiler
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
-        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use (~0.3 s)
+        self._info: xgrammar.TokenizerInfo | None = None  # built on first use (~0.3 s)
+        self._compiler: xgrammar.GrammarCompiler | None = None  # in-process compiles
+        self._processes: GrammarProcesses | None = None  # compiles with a timeout
 
     @property
     def bitmask_width(self) -> int:
@@ -152,9 +161,21 @@ class GrammarCompiler:
         with self._lock:
             return len(self._cache)
 
-    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+    def lookup(self, spec: StructuredOutputsParams) -> CompiledGrammar | None:
+        """The spec's compiled grammar if the cache holds it compiled, else None (never
+        compiles, never waits)."""
+        with self._lock:
+            future = self._cache.get(spec.key)
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def compile(self, spec: StructuredOutputsParams,
+                timeout: float | None = None) -> CompiledGrammar:
         """The spec's compiled grammar, from the cache or compiled now; InvalidRequestError
-        (param `structured_outputs.<kind>`) if xgrammar rejects it."""
+        (param `structured_outputs.<kind>`) if xgrammar rejects it. With `timeout`, a compile
+        runs in a child process and raises TimeoutError past `timeout` seconds (the compile
+        stopped, nothing cached)."""
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
@@ -167,14 +188,21 @@ class GrammarCompiler:
             else:
                 self._cache.move_to_end(key)
         if is_owner:
-            self._compile_into(future, key)
+            self._compile_into(future, key, timeout)
         return future.result()
 
-    def _compile_into(self, future: Future[CompiledGrammar], key: tuple[str, str]) -> None:
+    def close(self) -> None:
+        """Stop the idle compiler processes (a later compile with a timeout starts more)."""
+        with self._init_lock:
+            if self._processes is not None:
+                self._processes.close()
+
+    def _compile_into(self, future: Future[CompiledGrammar], key: tuple[str, str],
+                      timeout: float | None) -> None:
         """Compile for every thread waiting on `future`; a failure is not cached."""
         kind = key[0]
         try:
-            grammar = self._compile(key)
+            grammar = self._compile(key, timeout)
         except BaseException as error:
             with self._lock:
                 if self._cache.get(key) is future:
@@ -186,39 +214,30 @@ class GrammarCompiler:
             return
         future.set_result(CompiledGrammar(key, grammar))
 
-    def _compile(self, key: tuple[str, str]) -> xgrammar.CompiledGrammar:
-        compiler = self._xgrammar_compiler()
-        kind, text = key
-        if kind == "json":
-            # any_whitespace: vLLM's default (its `disable_any_whitespace` is off).
-            return compiler.compile_json_schema(text, any_whitespace=True)
-        if kind == "json_object":
-            # An object, as OpenAI's json_object promises (the builtin JSON grammar would let
-            # the model answer with an array or a bare number).
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(json.loads(text)))
-        assert kind == "grammar", kind
-        return compiler.compile_grammar(text)
+    def _compile(self, key: tuple[str, str], timeout: float | None) -> xgrammar.CompiledGrammar:
+        if timeout is None:
+            return compile_spec(self._xgrammar_compiler(), *key)
+        return self._compiler_processes().compile(*key, timeout)
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._init_lock:
             if self._compiler is None:
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self.tokenizer.hf_tokenizer, vocab_size=self.vocab_size,
-                    stop_token_ids=self.stop_token_ids)
-                # Our LRU is the cache; xgrammar's own would be a second, unbounded one.
-                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+                self._compiler = new_compiler(self._tokenizer_info())
             return self._compiler
 
+    def _compiler_processes(self) -> GrammarProcesses:
+        with self._init_lock:
+            if self._processes is None:
+                self._processes = GrammarProcesses(self._tokenizer_info())
+            return self._processes
 
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly `choices`.
+    def _tokenizer_info(self) -> xgrammar.TokenizerInfo:
+        """Built once (~0.3 s); the caller holds `_init_lock`."""
+        if self._info is None:
+            self._info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer.hf_tokenizer, vocab_size=self.vocab_size,
+                stop_token_ids=self.stop_token_ids)
+        return self._info
 
-    Each choice becomes a double-quoted EBNF literal in JSON's escaping (quotes, backslashes
-    and control characters escaped); non-ASCII text stays as it is, because xgrammar's EBNF
-    reads \\u escapes one UTF-16 unit at a time and would split characters beyond the BMP.
-    """
-    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "choice_grammar"]

@@ -372,9 +372,9 @@ def test_concurrent_compiles_of_one_spec_compile_it_once(compiler, monkeypatch):
     calls = []
     real_compile = compiler._compile
 
-    def counting_compile(key):
+    def counting_compile(key, timeout):
         calls.append(key)
-        return real_compile(key)
+        return real_compile(key, timeout)
 
     monkeypatch.setattr(compiler, "_compile", counting_compile)
     spec = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
@@ -438,9 +438,9 @@ def test_async_engine_compiles_off_the_engine_thread(make_engine, smollm2, monke
     compiling_threads = []
     real_compile = compiler._compile
 
-    def recording_compile(key):
+    def recording_compile(key, timeout):
         compiling_threads.append(threading.current_thread().name)
-        return real_compile(key)
+        return real_compile(key, timeout)
 
     monkeypatch.setattr(compiler, "_compile", recording_compile)
 
