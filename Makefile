@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-test browser redis test test-fast lint demo bench vllm-venv clean
+.PHONY: setup setup-test browser redis test test-fast lint demo bench vllm-venv llamacpp-venv clean
 
 setup: $(STAMP)
 
@@ -77,5 +77,18 @@ $(VLLM_VENV)/.installed: Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__)"
 	touch $@
 
+# llama-cpp-python built from source for this CPU (-DGGML_NATIVE=ON; ~11 min on 2 cores), for
+# `python -m benchmarks.throughput_baselines --baseline llamacpp`.
+LLAMACPP_VENV := .venv-llamacpp
+llamacpp-venv: $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_VENV)/.installed: Makefile
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP_VENV)/bin/python -m pip \
+		--disable-pip-version-check -q install --no-binary llama-cpp-python \
+		llama-cpp-python==0.3.36
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama.cpp', llama_cpp.__version__)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -13,15 +13,11 @@ from `VLLM_CPU_KVCACHE_SPACE`, in whole GiB: it gets kvpool's KV budget rounded 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.baseline_process import run_runner, venv_python
 from kvpool.bench.throughput import BaselineUnavailable
 from kvpool.memory.kv_layout import cdiv
 
@@ -63,11 +59,7 @@ class VLLMBaseline:
 def vllm_python(explicit: str | None = None) -> Path:
     """The interpreter of vLLM's venv: `explicit`, else $KVPOOL_VLLM_PYTHON, else
     ./.venv-vllm/bin/python; an error that names the make target when there is none."""
-    path = Path(explicit or os.environ.get("KVPOOL_VLLM_PYTHON") or DEFAULT_VENV_PYTHON)
-    if not path.exists():
-        raise BaselineUnavailable(
-            f"no vLLM interpreter at {path}: run `make vllm-venv` (or pass --vllm-python)")
-    return path
+    return venv_python(explicit, "KVPOOL_VLLM_PYTHON", DEFAULT_VENV_PYTHON, "vllm-venv")
 
 
 def hf_model_directory(model: str | None) -> Path:
@@ -97,17 +89,7 @@ def vllm_kv_cache_gib(kv_cache_bytes: int) -> int:
 
 def run_vllm(plan: dict, kv_cache_gib: int, python: Path) -> dict:
     """Run `plan` (see `vllm_runner`) in vLLM; its result dict. vLLM's log goes to stderr."""
-    with tempfile.TemporaryDirectory(prefix="kvpool-vllm-") as scratch:
-        plan_path, result_path = Path(scratch, "plan.json"), Path(scratch, "result.json")
-        plan_path.write_text(json.dumps(plan))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-        completed = subprocess.run(
-            [str(python), str(RUNNER), str(plan_path), str(result_path)],
-            env=env, stdout=sys.stderr, check=False)
-        if completed.returncode != 0 or not result_path.exists():
-            raise BaselineUnavailable(
-                f"vLLM exited with status {completed.returncode}; its log is above")
-        result = json.loads(result_path.read_text())
+    result = run_runner("vLLM", RUNNER, python, plan,
+                        env={"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
     result["kv_cache_gib"] = kv_cache_gib
     return result
-

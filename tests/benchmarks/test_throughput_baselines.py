@@ -1,5 +1,5 @@
-"""`python -m benchmarks.throughput_baselines`: kvpool's throughput benchmark with vLLM's and
-transformers' baselines handed to it (`kvpool.bench.throughput.Baseline`)."""
+"""`python -m benchmarks.throughput_baselines`: kvpool's throughput benchmark with vLLM's,
+llama.cpp's and transformers' baselines handed to it (`kvpool.bench.throughput.Baseline`)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,15 @@ def test_runs_as_a_module_from_the_repository_root():
     result = subprocess.run([sys.executable, "-m", "benchmarks.throughput_baselines", "--help"],
                             capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
     assert "--baseline" in result.stdout and "--num-prompts" in result.stdout
+
+
+def test_the_llamacpp_baseline_without_its_venv_fails_before_running_anything(tmp_path, capsys):
+    missing = tmp_path / "no-venv" / "python"
+    with pytest.raises(SystemExit, match="make llamacpp-venv"):
+        main(["--baseline", "llamacpp", "--llamacpp-python", str(missing)])
+    assert capsys.readouterr().out == ""
+
+
+def test_the_llamacpp_baseline_needs_a_gguf_file(tmp_path):
+    with pytest.raises(SystemExit, match="needs a GGUF file"):
+        main(["--baseline", "llamacpp", *TINY])

@@ -1,11 +1,12 @@
 """Compiles with a timeout run in a child process that is killed at the deadline
 (`kvpool.engine.grammar_process`): the CPU a too-complex grammar costs ends with its 400, the
 grammar a child compiles is the one the parent would, refusals keep xgrammar's verdict, and
-`lookup` answers from the cache alone."""
+`lookup` answers from the cache alone; children run at a lower priority than the engine."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import pytest
 
@@ -44,6 +45,7 @@ def test_a_child_compiles_the_grammar_the_parent_would(smollm2, compiler) -> Non
 def test_a_compile_past_its_timeout_is_killed_and_not_cached(compiler) -> None:
     compiler.compile(SCHEMA, timeout=60)  # a child is started and kept idle
     [idle] = grammar_children()
+    assert os.getpriority(os.PRIO_PROCESS, idle.pid) > os.getpriority(os.PRIO_PROCESS, 0)
     with pytest.raises(TimeoutError):
         compiler.compile(SLOW, timeout=0.2)
     assert not idle.is_alive() and idle.exitcode < 0  # killed: its compile stopped there
