@@ -90,3 +90,15 @@ def run_all(engine: LLMEngine, prompts, params=GREEDY) -> list[RequestOutput]:
 
 def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
+
+
+def fail_once(owner: object, name: str, message: str) -> None:
+    """Make `owner.name` raise RuntimeError(`message`) on its next call only (an injected
+    fault: the call after it runs the real one)."""
+    real = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        setattr(owner, name, real)
+        raise RuntimeError(message)
+
+    setattr(owner, name, failing)

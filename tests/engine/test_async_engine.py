@@ -15,7 +15,7 @@ from kvpool.engine.async_engine import AsyncLLMEngine, EngineClosedError, Engine
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.sampling_params import SamplingParams
-from tests.engine.conftest import PROMPTS, run_all, token_ids
+from tests.engine.conftest import PROMPTS, fail_once, run_all, token_ids
 
 SHORT = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
@@ -92,14 +92,7 @@ def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(make_async) ->
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(make_async) -> None:
     engine = make_async()
-    runner = engine.engine.runner
-    execute = runner.execute
-
-    def fail_once(*args, **kwargs):
-        runner.execute = execute
-        raise RuntimeError("injected")
-
-    runner.execute = fail_once
+    fail_once(engine.engine.runner, "execute", "injected")
 
     async def main() -> RequestOutput:
         with pytest.raises(EngineError, match="engine step failed: RuntimeError"):

@@ -9,7 +9,7 @@ import pytest
 
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
-from tests.engine.conftest import PROMPTS, run_all, token_ids
+from tests.engine.conftest import PROMPTS, fail_once, run_all, token_ids
 
 SMALL = {"kv_cache_memory": 32 * 2**20, "max_model_len": 1024}
 LONG_GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -23,13 +23,7 @@ def test_a_failed_step_is_rolled_back_and_never_poisons_the_prefix_cache(make_en
     request = engine.add_request(prompt, LONG_GREEDY)
     for _ in range(12):  # prefill, then eleven decodes
         engine.step()
-    execute = engine.runner.execute
-
-    def fail_once(*args, **kwargs):
-        engine.runner.execute = execute
-        raise RuntimeError("the device fell over")
-
-    engine.runner.execute = fail_once
+    fail_once(engine.runner, "execute", "the device fell over")
     with pytest.raises(RuntimeError, match="fell over"):
         engine.step()
     # No slot reserved for the failed step survives: every table holds its computed tokens.

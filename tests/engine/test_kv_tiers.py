@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpool.engine.sampling_params import SamplingParams
-from tests.engine.conftest import GREEDY, PROMPTS, run_all, token_ids
+from tests.engine.conftest import GREEDY, PROMPTS, fail_once, run_all, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -193,13 +193,7 @@ def _generate(engine, prompt: str, salt: str, params=GREEDY):
 
 
 def _fail_next_step(engine) -> None:
-    execute = engine.runner.execute
-
-    def fail_once(*args, **kwargs):
-        engine.runner.execute = execute
-        raise RuntimeError("the device fell over")
-
-    engine.runner.execute = fail_once
+    fail_once(engine.runner, "execute", "the device fell over")
     with pytest.raises(RuntimeError, match="fell over"):
         engine.step()
 
@@ -254,14 +248,7 @@ def test_a_failed_reload_copy_is_rolled_back_and_its_blocks_never_found(make_fas
     expected = _generate(engine, prompt, "tenant-a").sequences[0].output_token_ids
     run_all(engine, [f"Filler {index}: " + "lorem ipsum dolor sit amet " * 12
                      for index in range(4)])
-    transfers = engine.kv_tiers.transfers
-    copy = transfers._copy
-
-    def fail_once(*args, **kwargs):
-        transfers._copy = copy
-        raise RuntimeError("the copy fell over")
-
-    transfers._copy = fail_once
+    fail_once(engine.kv_tiers.transfers, "_copy", "the copy fell over")
     request = engine.add_request(prompt, GREEDY, cache_salt="tenant-a")
     with pytest.raises(RuntimeError, match="copy fell over"):
         engine.step()

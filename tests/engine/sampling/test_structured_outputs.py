@@ -26,7 +26,7 @@ from kvpool.engine.sampling.grammar import GrammarCompiler, choice_grammar
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
 from kvpool.engine.structured_outputs import StructuredOutputsParams
-from tests.engine.conftest import PROMPTS, run_all
+from tests.engine.conftest import PROMPTS, fail_once, run_all
 
 pytestmark = pytest.mark.slow
 
@@ -290,13 +290,7 @@ def test_a_step_rolled_back_after_sampling_rewinds_its_grammars(make_engine, smo
     request = engine.add_request(prompt, params)
     for _ in range(4):
         engine.step()
-    record = engine.outputs.add_prompt_logprobs
-
-    def fail_once(*args, **kwargs):
-        engine.outputs.add_prompt_logprobs = record
-        raise RuntimeError("out of memory")
-
-    engine.outputs.add_prompt_logprobs = fail_once
+    fail_once(engine.outputs, "add_prompt_logprobs", "out of memory")
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.step()
     while engine.has_unfinished_requests():
