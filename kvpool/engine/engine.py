@@ -40,11 +40,11 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine_stats import EngineStats, PhaseClock, StepStats
 from kvpool.engine.kv_manager import KVCacheManager
-from kvpool.engine.observability.publisher import KVEventLog, start_kv_events
 from kvpool.engine.observability.recorder import KVRecorder
 from kvpool.engine.observability.snapshot import take_kv_snapshot
 from kvpool.engine.preemption import PreemptionPolicy
@@ -64,6 +64,9 @@ from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.tiers.kv_tiers import KVTiers, KVTierStats
 from kvpool.model.flops import prefill_flops
+
+if TYPE_CHECKING:
+    from kvpool.engine.observability.event_log import KVEventLog
 
 __all__ = ["LLMEngine", "PromptInput"]
 
@@ -116,8 +119,12 @@ class LLMEngine:
         if self.config.observability.kv_trace is not None:
             self.kv_recorder = KVRecorder.start(self.config.observability.kv_trace, self.kv_memory)
             weakref.finalize(self, self.kv_recorder.close)
-        self.kv_events = start_kv_events(self.config.observability.kv_events_config,
-                                         self.kv_memory, self)
+        events_config = self.config.observability.kv_events_config
+        if events_config is not None and events_config.is_enabled:
+            # pyzmq and msgspec are optional: imported only when events are on.
+            from kvpool.engine.observability.publisher import start_kv_events
+
+            self.kv_events = start_kv_events(events_config, self.kv_memory, self)
 
     # ------------------------------------------------------------ the model's parts
     @property

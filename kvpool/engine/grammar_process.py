@@ -27,9 +27,13 @@ import os
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import xgrammar
+from kvpool.optional import require
+
+if TYPE_CHECKING:
+    import xgrammar
 
 START_TIMEOUT = 60.0  # seconds for a child to import xgrammar and say it is ready
 INVALID = "invalid"  # a child's answer when xgrammar refused the spec
@@ -67,16 +71,22 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
+def xgrammar_module() -> ModuleType:
+    """xgrammar, imported when a grammar is first compiled (an optional dependency)."""
+    return require("xgrammar", "structured outputs (and tool_choice)")
+
+
 def new_compiler(info: xgrammar.TokenizerInfo) -> xgrammar.GrammarCompiler:
     """One compile uses one thread (xgrammar's default is 8: one request would take every
     core); kvpool's LRU is the cache (xgrammar's own would be a second, unbounded one)."""
-    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return xgrammar_module().GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 def _serve(conn: Connection, tokenizer_info_json: str) -> None:
     """The child: compile each (kind, text) received; answer the serialized grammar, or
     (INVALID, message) when xgrammar refuses it. Ends when the parent closes the pipe."""
-    compiler = new_compiler(xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json))
+    info = xgrammar_module().TokenizerInfo.deserialize_json(tokenizer_info_json)
+    compiler = new_compiler(info)
     conn.send("ready")
     while True:
         try:
@@ -129,7 +139,7 @@ class GrammarProcesses:
         self._give_back(child)
         if isinstance(answer, tuple):
             raise ValueError(answer[1])
-        return xgrammar.CompiledGrammar.deserialize_json(answer, self._info)
+        return xgrammar_module().CompiledGrammar.deserialize_json(answer, self._info)
 
     def warm(self) -> None:
         """Start one child now (in a thread), so the first compile does not wait for it."""

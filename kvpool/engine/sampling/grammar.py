@@ -31,19 +31,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import xgrammar
-
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.grammar_process import (
     GrammarProcesses,
     choice_grammar,
     compile_spec,
     new_compiler,
+    xgrammar_module,
 )
 from kvpool.engine.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
+    import xgrammar
 
     from kvpool.model.tokenizer import Tokenizer
 
@@ -121,7 +121,7 @@ class CompiledGrammar:
 
     def new_matcher(self) -> GrammarMatcher:
         """A matcher at the start of the grammar (cheap: microseconds)."""
-        return GrammarMatcher(xgrammar.GrammarMatcher(self.grammar))
+        return GrammarMatcher(xgrammar_module().GrammarMatcher(self.grammar))
 
 
 class GrammarCompiler:
@@ -234,7 +234,7 @@ class GrammarCompiler:
     def _tokenizer_info(self) -> xgrammar.TokenizerInfo:
         """Built once (~0.3 s); the caller holds `_init_lock`."""
         if self._info is None:
-            self._info = xgrammar.TokenizerInfo.from_huggingface(
+            self._info = xgrammar_module().TokenizerInfo.from_huggingface(
                 self.tokenizer.hf_tokenizer, vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids)
         return self._info

@@ -26,15 +26,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from kvpool.optional import require
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
-REDIS_ERRORS = (redis.RedisError, OSError)  # what a Redis call may raise for Redis trouble
+def redis_module() -> ModuleType:
+    """redis-py, imported when the shared tier is first used (an optional dependency)."""
+    return require("redis", "the shared KV tier (--kv-shared-redis)")
+
+
+def redis_errors() -> tuple[type[BaseException], ...]:
+    """What a Redis call may raise for Redis trouble (an `except` clause's tuple)."""
+    return (redis_module().RedisError, OSError)
 
 
 class RedisLink:
@@ -45,9 +55,10 @@ class RedisLink:
         when Redis answers again after an outage or a restart (module docstring)."""
         self.url = redacted(url)
         self.timeout = timeout
+        redis = redis_module()
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0), health_check_interval=0,
             redis_connect_func=self._on_connect)
         self._on_reconnect = on_reconnect
         self._lock = threading.Lock()
@@ -88,7 +99,7 @@ class RedisLink:
             self.client.ping()
             if not self._is_config_checked:
                 self._check_config()
-        except REDIS_ERRORS as error:
+        except redis_errors() as error:
             if was_up:
                 self.failed(error)
             return
@@ -121,7 +132,7 @@ class RedisLink:
         try:
             maxmemory = self.client.config_get("maxmemory").get("maxmemory")
             policy = self.client.config_get("maxmemory-policy").get("maxmemory-policy")
-        except redis.ResponseError:  # CONFIG refused: the operator sets the capacity
+        except redis_module().ResponseError:  # CONFIG refused: the operator sets the capacity
             self._is_config_checked = True
             return
         self._is_config_checked = True
@@ -138,7 +149,7 @@ def _server_run_id(connection: redis.connection.AbstractConnection) -> str | Non
     connection.send_command("INFO", "server")
     try:
         info = connection.read_response()
-    except redis.ResponseError:
+    except redis_module().ResponseError:
         return None
     text = info.decode() if isinstance(info, bytes) else str(info)
     for line in text.splitlines():

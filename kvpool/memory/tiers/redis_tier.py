@@ -53,7 +53,7 @@ from kvpool.memory.prefix_cache import BlockHash
 from kvpool.memory.tiers.disk_block_format import StoredBlock, decode_block, namespace_dir_name
 from kvpool.memory.tiers.disk_tier import ReadyEvent
 from kvpool.memory.tiers.lower_tier import SHARED, BlockFinder, LowerTier, StoredRef
-from kvpool.memory.tiers.redis_link import REDIS_ERRORS, RedisLink
+from kvpool.memory.tiers.redis_link import RedisLink, redis_errors
 from kvpool.memory.tiers.redis_memo import PresenceMemo
 from kvpool.memory.tiers.redis_writer import BlockWrite, RedisWriter
 
@@ -160,7 +160,7 @@ class RedisKVTier(LowerTier):
             pipe.exists(shared_key(self.namespace, block_hashes[index]))
         try:
             replies = pipe.execute()
-        except REDIS_ERRORS as error:
+        except redis_errors() as error:
             self.link.failed(error)
             return [False] * len(block_hashes)
         with self._lock:
@@ -180,7 +180,7 @@ class RedisKVTier(LowerTier):
         keys = [shared_key(self.namespace, block_hash) for block_hash in block_hashes]
         try:
             values = self.link.client.mget(keys)
-        except REDIS_ERRORS as error:
+        except redis_errors() as error:
             self.link.failed(error)
             return []
         blocks, num_bytes = [], 0

@@ -28,13 +28,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
 import torch
 
 from kvpool.memory.prefix_cache import BlockHash
 from kvpool.memory.tiers.disk_block_format import encode_block
 from kvpool.memory.tiers.disk_tier import ReadyEvent
-from kvpool.memory.tiers.redis_link import RedisLink
+from kvpool.memory.tiers.redis_link import RedisLink, redis_module
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ class RedisWriter:
     def _done(self, batch: list[BlockWrite | _Delete], replies: list[object],
               sizes: list[int]) -> None:
         """Report what landed, release the batch, wake `flush`."""
-        refused = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
+        refused = [reply for reply in replies if isinstance(reply, redis_module().ResponseError)]
         if refused:
             logger.debug("shared KV tier: Redis refused %d commands: %r", len(refused),
                          refused[0])
