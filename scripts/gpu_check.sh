@@ -93,7 +93,8 @@ else
     log "=== tp: skipped, $num_gpus GPU(s) visible (tensor parallelism needs 2)"
 fi
 
-pytest_args=(-q -p no:cacheprovider tests/attention/test_triton_kernels.py tests/memory/test_kv_transfer.py)
+pytest_args=(-q -p no:cacheprovider tests/attention/test_triton_kernels.py tests/memory/test_kv_transfer.py
+             tests/memory/test_kv_quant.py)
 pytest_args+=(--junitxml="$OUTDIR/gpu_tests.xml")
 if [[ ${#smoke_args[@]} -gt 0 ]]; then
     pytest_args+=(--collect-only)

@@ -15,7 +15,8 @@ import pytest
 pytestmark = pytest.mark.processes
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_TEST_FILES = ["tests/attention/test_triton_kernels.py", "tests/memory/test_kv_transfer.py"]
+GPU_TEST_FILES = ["tests/attention/test_triton_kernels.py", "tests/memory/test_kv_transfer.py",
+                  "tests/memory/test_kv_quant.py"]
 
 
 def run_hidden(statement: str) -> subprocess.CompletedProcess:

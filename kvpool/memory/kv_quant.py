@@ -46,8 +46,13 @@ def quantize(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 def scales_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The scale that maps each `amax` onto the largest code of `dtype` (1 where amax is 0)."""
-    return torch.where(amax > 0, amax / qmax(dtype), torch.ones_like(amax))
+    """The scale that maps each `amax` onto the largest code of `dtype` (1 where amax is 0).
+
+    Divided by a tensor of the same device, not a Python number: PyTorch on CUDA turns a
+    division by a scalar into a multiplication by its reciprocal, which is off in the last bit
+    for some values, while the Triton KV-write kernel divides exactly (IEEE)."""
+    divisor = torch.full_like(amax, qmax(dtype))
+    return torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
 
 
 def encode(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
