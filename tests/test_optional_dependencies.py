@@ -17,6 +17,8 @@ pytestmark = pytest.mark.processes
 REPO = Path(__file__).resolve().parents[1]
 GPU_TEST_FILES = ["tests/attention/test_triton_kernels.py", "tests/memory/test_kv_transfer.py",
                   "tests/memory/test_kv_quant.py"]
+MAKE_LLM = ("from kvpool import LLM, SamplingParams\n"
+            "llm = LLM(dtype='float32', kv_cache_memory=32 << 20, enable_warmup=False)\n")
 
 
 def run_hidden(statement: str) -> subprocess.CompletedProcess:
@@ -27,8 +29,7 @@ def run_hidden(statement: str) -> subprocess.CompletedProcess:
 
 def test_an_offline_generate_needs_none_of_them() -> None:
     result = run_hidden(
-        "from kvpool import LLM, SamplingParams\n"
-        "llm = LLM(dtype='float32', kv_cache_memory=32 << 20, enable_warmup=False)\n"
+        MAKE_LLM +
         "[out] = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=4),"
         " use_tqdm=False)\n"
         "assert len(out.outputs[0].token_ids) == 4\n"
@@ -41,9 +42,8 @@ def test_an_offline_generate_needs_none_of_them() -> None:
 
 def test_a_feature_that_needs_one_names_it() -> None:
     result = run_hidden(
-        "from kvpool import LLM, SamplingParams\n"
+        MAKE_LLM +
         "from kvpool.engine.structured_outputs import StructuredOutputsParams\n"
-        "llm = LLM(dtype='float32', kv_cache_memory=32 << 20, enable_warmup=False)\n"
         "params = SamplingParams(max_tokens=4,"
         " structured_outputs=StructuredOutputsParams(choice=['yes', 'no']))\n"
         "try:\n"

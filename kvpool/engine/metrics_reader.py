@@ -14,6 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvpool.engine.observability.latency_buckets import (
+    REQUEST_LATENCY_BUCKETS,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+)
+
 if TYPE_CHECKING:
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.requests.outputs import RequestMetrics
@@ -50,12 +55,6 @@ class Histogram(Metric):
     buckets: dict[str, int] = field(default_factory=dict)
 
 
-# vLLM's bucket bounds (seconds) for the two request-latency histograms.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
 
 class LatencyRecorder:
     """Time to first token and end-to-end latency of the finished requests `LLM` hands back
@@ -76,8 +75,8 @@ class LatencyRecorder:
             self.observations["vllm:e2e_request_latency_seconds"].append(e2e)
 
     def histograms(self, tags: dict[str, str]) -> list[Histogram]:
-        bounds = {"vllm:time_to_first_token_seconds": TTFT_BUCKETS,
-                  "vllm:e2e_request_latency_seconds": E2E_BUCKETS}
+        bounds = {"vllm:time_to_first_token_seconds": TIME_TO_FIRST_TOKEN_BUCKETS,
+                  "vllm:e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS}
         return [_histogram(name, tags, values, bounds[name])
                 for name, values in self.observations.items()]
 
