@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.engine.requests.outputs import Logprob
+from kvpool.engine.sampling.logprob_entries import logprob_entries
 from kvpool.engine.scheduler_output import ScheduledChunk
 from kvpool.engine.sequence import Request
 
@@ -78,19 +79,6 @@ def gather_prompt_logprobs(
     logits: torch.Tensor, target_ids: list[int], num_top: int  # logits: [num_rows, vocab]
 ) -> list[dict[int, Logprob]]:
     """Per row: the target token's log probability and rank (1 + the tokens more likely), then
-    the `num_top` most likely tokens; the same entries as `sampler.gather_logprobs`, for all
-    rows at once (a prompt has many)."""
+    the `num_top` most likely tokens, from the raw logits (the sampler's entries)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(target_ids, dtype=torch.int64, device=logits.device)[:, None]
-    chosen = logprobs.gather(1, targets)  # [num_rows, 1]
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-    entries = [{token_id: Logprob(value, rank)}
-               for token_id, value, rank in zip(target_ids, chosen[:, 0].tolist(),
-                                                ranks.tolist(), strict=True)]
-    if top_values is not None:
-        for entry, values, ids in zip(entries, top_values.tolist(), top_ids.tolist(),
-                                      strict=True):
-            for rank, (value, token_id) in enumerate(zip(values, ids, strict=True)):
-                entry.setdefault(token_id, Logprob(value, rank + 1))
-    return entries
+    return logprob_entries(logprobs, target_ids, [num_top] * len(target_ids))

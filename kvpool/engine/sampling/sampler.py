@@ -25,7 +25,8 @@ Order of operations on each row (float32):
 
 Device: every tensor made here lives on the logits' device, and nothing in steps 2-5 reads a
 value back to the host, so `choose_token_ids` runs on any device (the tests run it on "meta");
-the host reads the chosen ids once, and the logprobs of the rows that asked. The one
+the host reads the chosen ids once, and the logprobs of the rows that asked once
+(`logprob_entries`). The one
 exception is the grammar bitmask, which xgrammar fills in host memory: it is copied to the
 device once per step that has a constrained row. The generator that unseeded rows share is
 made per device, seeded with the sampler's seed; a seeded row brings its own generator,
@@ -53,6 +54,7 @@ from kvpool.engine.sampling.constraints import (
     apply_logit_bias,
     apply_token_bans,
 )
+from kvpool.engine.sampling.logprob_entries import logprob_entries
 from kvpool.engine.sampling.rows import SamplingRow
 
 
@@ -77,9 +79,10 @@ class Sampler:
             if row.params.logprobs is not None
         }
         if wanted:
-            raw_logprobs = raw_logprobs_of(logits, list(wanted))
-            for position, (index, num_top) in enumerate(wanted.items()):
-                logprobs[index] = gather_logprobs(raw_logprobs[position], token_ids[index], num_top)
+            entries = logprob_entries(raw_logprobs_of(logits, list(wanted)),
+                                      [token_ids[index] for index in wanted], list(wanted.values()))
+            for index, entry in zip(wanted, entries, strict=True):
+                logprobs[index] = entry
         advance_grammars(rows, token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
@@ -327,14 +330,3 @@ def _beyond_candidates(logits: torch.Tensor, candidate_logits: torch.Tensor,
     the row's mass among the candidates. [num_rows] bool"""
     candidate_mass = (candidate_logits - logits.logsumexp(dim=-1, keepdim=True)).exp().sum(-1)
     return (top_ks >= logits.shape[1]) & (top_ps < 1.0) & (candidate_mass < top_ps)
-
-
-def gather_logprobs(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
-    """The sampled token's log probability and rank, plus the `num_top` most likely tokens."""
-    sampled = float(row_logprobs[token_id])
-    result = {token_id: Logprob(sampled, rank=int((row_logprobs > sampled).sum()) + 1)}
-    if num_top:
-        values, ids = row_logprobs.topk(num_top)
-        for rank, (value, top_id) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
-            result.setdefault(top_id, Logprob(value, rank=rank + 1))
-    return result

@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from kvpool.engine.errors import InvalidRequestError
-from kvpool.engine.requests.prompt_logprobs import gather_prompt_logprobs
-from kvpool.engine.sampling.sampler import gather_logprobs
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine.conftest import PROMPTS, run_all
 
@@ -68,19 +66,6 @@ def assert_matches_reference(prompt_logprobs, token_ids, reference, tokenizer) -
         lowest = int((row > expected + LOGPROB_ATOL).sum()) + 1  # near-ties either way
         highest = int((row > expected - LOGPROB_ATOL).sum()) + 1
         assert lowest <= entry[token_id].rank <= highest, f"position {position}"
-
-
-def test_gathered_rows_are_the_samplers_entries():
-    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
-    targets = [3, 0, 49, 7, 7, 12]
-    ours = gather_prompt_logprobs(logits, targets, num_top=4)
-    rows = torch.log_softmax(logits, dim=-1)
-    expected = [gather_logprobs(rows[i], targets[i], 4) for i in range(len(targets))]
-    assert [list(entry) for entry in ours] == [list(entry) for entry in expected]
-    for got, want in zip(ours, expected, strict=True):
-        for token_id, entry in want.items():
-            assert got[token_id].rank == entry.rank
-            assert got[token_id].logprob == pytest.approx(entry.logprob, abs=1e-6)
 
 
 def test_chunked_prompts_next_to_other_requests_match_transformers(make_engine, smollm2,
