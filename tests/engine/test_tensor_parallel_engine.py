@@ -19,6 +19,7 @@ import socket
 import time
 
 import pytest
+import torch
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
@@ -99,6 +100,19 @@ def test_shapes_tp_cannot_split_are_refused_before_any_process_starts():
 def test_unsupported_options_are_refused_by_name(options, named):
     with pytest.raises(ValueError, match=f"does not support {named}"):
         EngineConfig(tensor_parallel_size=2, **options)
+
+
+def test_ranks_never_share_a_gpu(monkeypatch):
+    group.check_gpu_count(2, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    named = r"2 rank\(s\), 1 GPU\(s\) visible \(CUDA_VISIBLE_DEVICES='3'\)"
+    with pytest.raises(ValueError, match=named):
+        group.check_gpu_count(2, 1)
+    # A rank's own GPU is its local rank's, never wrapped round onto another rank's.
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        group.rank_device(torch.device("cuda"), 0)
+    assert group.rank_device(torch.device("cpu"), 5) == torch.device("cpu")
 
 
 def test_a_preloaded_model_is_refused(checkpoint):

@@ -34,6 +34,7 @@ import torch.multiprocessing as torch_mp
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.parallel.group import (
     Rendezvous,
+    check_gpu_count,
     free_port,
     is_torchrun,
     join,
@@ -78,6 +79,8 @@ class WorkerGroup:
         if dist.is_initialized():  # before spawning anything
             raise ValueError("this process already belongs to a torch.distributed group: one "
                              "tensor-parallel engine per process (close the other first)")
+        if device.type == "cuda" and not is_torchrun():  # torchrun: each rank checks its own
+            check_gpu_count(size, torch.cuda.device_count())
         num_threads = split_threads(size)
         processes: list[Any] = []
         if is_torchrun():

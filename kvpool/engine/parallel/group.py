@@ -122,11 +122,22 @@ def _meeting_point(rendezvous: Rendezvous, timeout: timedelta) -> dict[str, Any]
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device a rank runs on: CUDA ranks each take their own GPU (LOCAL_RANK under
-    torchrun, else the rank), CPU ranks share the CPU."""
+    torchrun, else the rank), CPU ranks share the CPU. Two ranks never share a GPU: NCCL
+    refuses a communicator whose ranks sit on one device, after the whole start-up."""
     if device.type != "cuda":
         return device
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    check_gpu_count(local_rank + 1, torch.cuda.device_count())
+    return torch.device("cuda", local_rank)
+
+
+def check_gpu_count(num_ranks: int, num_gpus: int) -> None:
+    """ValueError unless `num_gpus` visible GPUs give `num_ranks` ranks one each."""
+    if num_gpus < num_ranks:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise ValueError(f"tensor_parallel_size needs one GPU per rank on this host: "
+                         f"{num_ranks} rank(s), {num_gpus} GPU(s) visible{where}")
 
 
 def leave() -> None:
