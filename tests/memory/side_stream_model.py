@@ -33,12 +33,16 @@ class ModelSideStream:
 
     def __init__(self) -> None:
         self.events: list[ModelEvent] = []
+        self.read_tensors: list[torch.Tensor] = []  # what `reads` was told the stream reads
 
     def wait_for_compute(self) -> None:
         pass  # the copies run now, after everything the (CPU) compute did so far
 
     def copying(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def reads(self, tensor: torch.Tensor) -> None:
+        self.read_tensors.append(tensor)
 
     def record_event(self) -> ModelEvent:
         event = ModelEvent()

@@ -82,6 +82,19 @@ def test_a_snapshot_is_the_blocks_as_computed(device):
     assert snapshot.kv.device == torch.device("cpu") and (snapshot.kv == 5.0).all()
 
 
+def test_a_snapshots_block_ids_outlive_the_side_streams_read_of_them():
+    # The ids tensor comes from the compute stream's pool; the side stream gathers with it.
+    model = ModelSideStream()
+    memory = memory_on("cpu")
+    transfers = KVTransfers(memory.kv_cache, memory.tiers.host.kv_cache,
+                            memory.tiers.host.pool.free, model)
+    fill(memory, 4, 5.0)
+    fill(memory, 6, 2.0)
+    snapshot = transfers.snapshot([6, 4])
+    assert [ids.tolist() for ids in model.read_tensors] == [[6, 4]]
+    assert (snapshot.kv[0] == 2.0).all() and (snapshot.kv[1] == 5.0).all()
+
+
 def test_a_host_tier_smaller_than_two_blocks_is_none():
     assert memory_on("cpu").tiers.host.pool.num_blocks == 8
     assert KVMemory(LAYOUT, 8, host_num_bytes=LAYOUT.bytes_per_block).tiers.host is None

@@ -220,6 +220,7 @@ class KVTransfers:
         with side.copying():
             kv = side.to_host(device.tensor[index])
             scales = None if device.scales is None else side.to_host(device.scales[index])
+        side.reads(index)  # made on the compute stream, read on the side stream
         event = side.record_event()
         # The side stream reads these blocks: a step that writes one waits for it (`run`).
         self._in_flight.append((event, set(device_ids), []))

@@ -1,8 +1,9 @@
 """The CUDA side stream that the KV transfers copy on, and its ordering against the compute
 stream, behind one small object.
 
-`KVTransfers` asks it for exactly five things: make the side stream wait for what the compute
-stream has queued (`wait_for_compute`), run copies on the side stream (`copying`), record an
+`KVTransfers` asks it for exactly six things: make the side stream wait for what the compute
+stream has queued (`wait_for_compute`), run copies on the side stream (`copying`), keep a
+tensor made on the compute stream alive until the side stream has read it (`reads`), record an
 event after them (`record_event`), make the compute stream wait for such an event
 (`make_compute_wait`: a device-side wait, the CPU goes on) and wait for everything on the CPU
 (`synchronize`); plus a page-locked host copy of a device tensor (`to_host`). Naming them here
@@ -40,6 +41,13 @@ class SideStream:
     def copying(self) -> contextlib.AbstractContextManager:
         """Within it, copies (and any kernel) are queued on the side stream."""
         return torch.cuda.stream(self.stream)
+
+    def reads(self, tensor: torch.Tensor) -> None:
+        """Side-stream work queued so far reads `tensor`, which the compute stream allocated:
+        its memory must not go back to the compute stream's pool until that work is done.
+        (The caching allocator tracks only the allocating stream; without this, the next
+        allocation there could overwrite the tensor while the side stream still reads it.)"""
+        tensor.record_stream(self.stream)
 
     def record_event(self) -> torch.cuda.Event:
         """An event that completes once the side-stream work queued so far has."""
