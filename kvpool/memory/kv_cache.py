@@ -37,6 +37,7 @@ import torch
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.memory.pinned import pinned_zeros
 
 
 class KVCache:
@@ -51,13 +52,14 @@ class KVCache:
         storage: torch.Tensor | None = None,
         pin_memory: bool = False,
     ) -> None:
-        """Allocate the cache (zeroed; page-locked host memory with `pin_memory`, for
-        asynchronous copies to and from CUDA), or lay it over `storage` (a byte buffer, e.g. an
+        """Allocate the cache (zeroed; page-locked host memory of exactly its size with
+        `pin_memory`, for asynchronous copies to and from CUDA: `kvpool.memory.pinned`), or
+        lay it over `storage` (a byte buffer, e.g. an
         arena range; only the null block is zeroed then)."""
         shape = layout.tensor_shape(num_blocks)
+        zeros = _pinned_or_plain_zeros(device, pin_memory)
         if storage is None:
-            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device,
-                                      pin_memory=pin_memory)
+            self.tensor = zeros(shape, layout.torch_dtype)
         else:
             needed = num_blocks * layout.kv_bytes_per_block
             if storage.dtype != torch.uint8 or storage.numel() < needed:
@@ -66,8 +68,7 @@ class KVCache:
             self.tensor[NULL_BLOCK_ID].zero_()
         self.scales: torch.Tensor | None = None
         if layout.is_quantized:  # ones, not zeros: a never-written row decodes to 0 * 1
-            self.scales = torch.ones(layout.scale_tensor_shape(num_blocks), dtype=torch.float32,
-                                     device=self.tensor.device, pin_memory=pin_memory)
+            self.scales = zeros(layout.scale_tensor_shape(num_blocks), torch.float32).fill_(1.0)
         layout.check_tensor(self.tensor)
         layout.check_scales(self.scales, num_blocks)
         self.layout = layout
@@ -101,3 +102,11 @@ class KVCache:
         self.tensor[dst] = self.tensor[src]
         if self.scales is not None:
             self.scales[dst] = self.scales[src]
+
+
+def _pinned_or_plain_zeros(device: torch.device | str, pin_memory: bool):
+    """`zeros(shape, dtype)` on `device`; page-locked host memory with `pin_memory`."""
+    if pin_memory:
+        assert torch.device(device).type == "cpu", "only host memory is pinned"
+        return pinned_zeros
+    return lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
