@@ -12,6 +12,13 @@ registers (`triton_decode.load_kv_tile`).
 
 All planning uses the host copies in the metadata (`seq_lens_cpu`, `query_lens_cpu`), so a step
 never waits on the device.
+
+No kernel compiles mid-request. Triton compiles a kernel variant per distinct set of
+constexprs and specialisations, so the kernels do not specialise on what changes between steps
+(`do_not_specialize`: split counts, block-table widths, the prefill's first row), and the
+backend's first call launches every variant a later call can: decode unsplit and split (with
+its reduction) and prefill, on the null block, with the call's own query, cache and dtypes.
+That first call is the engine's start-up warm-up (`kvpool.engine.warmup`), on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from kvpool.attention.kv_write import write_kv_triton
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.triton_decode import DecodeConfig, paged_decode
 from kvpool.attention.triton_prefill import PrefillConfig, paged_prefill
+from kvpool.memory.block_pool import NULL_BLOCK_ID
 
 
 class TritonAttentionBackend:
@@ -34,6 +42,7 @@ class TritonAttentionBackend:
     ) -> None:
         self.decode_config = decode_config or DecodeConfig()
         self.prefill_config = prefill_config or PrefillConfig()
+        self._compiled: set[tuple] = set()  # what `_compile_variants` ran for
 
     def forward(
         self,
@@ -45,6 +54,7 @@ class TritonAttentionBackend:
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        self._compile_variants(query, kv_cache_layer, kv_scales)
         write_kv_triton(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
@@ -65,13 +75,36 @@ class TritonAttentionBackend:
             paged_prefill(
                 query,
                 kv_cache_layer,
-                metadata.query_start_loc[num_decode:],
-                metadata.seq_lens[num_decode:],
-                metadata.block_tables[num_decode:],
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_tables,
                 scale,
                 max_query_len=metadata.max_prefill_query_len,
                 out=output,
                 config=self.prefill_config,
                 kv_scales=kv_scales,
+                first_seq=num_decode,
             )
         return output
+
+    def _compile_variants(self, query: torch.Tensor, kv_cache_layer: torch.Tensor,
+                          kv_scales: torch.Tensor | None) -> None:
+        """Once per query/cache kind: launch each attention kernel variant a step can use, so
+        that Triton compiles them all now. One-token sequences over the null block (zero, only
+        read), outputs into scratch tensors; the KV write compiles in the same call."""
+        kind = (query.dtype, query.shape[1:], query.stride(), kv_cache_layer.dtype,
+                kv_cache_layer.shape[1:], kv_cache_layer.stride(), query.device)
+        if kind in self._compiled or query.shape[0] == 0:
+            return
+        self._compiled.add(kind)
+        one_query = query[:1]  # the call's own strides and alignment
+        table = torch.full((1, 1), NULL_BLOCK_ID, dtype=torch.int32, device=query.device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=query.device)
+        for num_splits in (1, 2):
+            paged_decode(one_query, kv_cache_layer, table, seq_lens, 1.0, max_seq_len=1,
+                         out=torch.empty_like(one_query), num_splits=num_splits,
+                         config=self.decode_config, kv_scales=kv_scales)
+        starts = torch.tensor([0, 1], dtype=torch.int32, device=query.device)
+        paged_prefill(one_query, kv_cache_layer, starts, seq_lens, table, 1.0, max_query_len=1,
+                      out=torch.empty_like(one_query), config=self.prefill_config,
+                      kv_scales=kv_scales)

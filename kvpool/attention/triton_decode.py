@@ -129,7 +129,12 @@ def _split_range(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
     return start, end
 
 
-@triton.jit
+# Scalars that change from step to step are not specialised on (Triton would otherwise compile
+# a new variant whenever one becomes 1 or a multiple of 16): the split count, the block table's
+# width, and the strides of outputs shaped by the split count. So one variant per IS_SPLIT
+# serves every step, and the warm-up's first call compiles it (`TritonAttentionBackend`).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq", "stride_out_seq", "stride_out_head",
+                               "stride_out_split", "stride_lse_seq", "stride_lse_head"])
 def _decode_kernel(
     query_ptr,
     kv_ptr,
@@ -224,7 +229,8 @@ def _decode_kernel(
         tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=store_rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_partial_seq", "stride_partial_head",
+                               "stride_partial_split", "stride_lse_seq", "stride_lse_head"])
 def _reduce_kernel(
     partial_ptr,
     lse_ptr,
@@ -335,7 +341,7 @@ def paged_decode(
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=triton.next_power_of_2(MAX_SPLITS),  # one variant for every split count
         BLOCK_N=config.block_n,
         num_warps=4,
     )

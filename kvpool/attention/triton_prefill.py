@@ -108,7 +108,10 @@ def _attend_tiles(
     return m_i, l_i, acc
 
 
-@triton.jit
+# The step's sequence tensors come whole, with the first prefill's row (`first_seq`, after the
+# decodes), rather than sliced: a slice's address would change its 16-byte alignment, and
+# with it the compiled variant, with the number of decodes in the step.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt_seq"])
 def _prefill_kernel(
     query_ptr,
     kv_ptr,
@@ -118,6 +121,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     scale_log2,
+    first_seq,
     stride_q_token,
     stride_q_head,
     stride_kv_block,
@@ -140,7 +144,7 @@ def _prefill_kernel(
     KV_QUANT: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
-    seq_id = tl.program_id(0)
+    seq_id = first_seq + tl.program_id(0)
     tile_first_token = tl.program_id(1) * TOKENS_PER_TILE
     kv_head = tl.program_id(2)
     query_start = tl.load(query_start_loc_ptr + seq_id)
@@ -249,10 +253,12 @@ def paged_prefill(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     config: PrefillConfig | None = None,
     kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
+    first_seq: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves,
+    for sequences `first_seq ..` of the step (the earlier ones are its decodes).
 
-    Rows of `query` outside every sequence's range are left untouched in `out`. A quantized
+    Rows of `query` outside those sequences' ranges are left untouched in `out`. A quantized
     cache (int8 / fp8 codes) needs its `kv_scales`.
     """
     config = config or PrefillConfig()
@@ -263,7 +269,7 @@ def paged_prefill(
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.stride(2) == 1
     kv_quant = kv_quant_mode(kv_cache_layer, kv_scales)
-    num_seqs = seq_lens.shape[0]
+    num_seqs = seq_lens.shape[0] - first_seq
     group = num_heads // num_kv_heads
     if num_seqs == 0 or max_query_len == 0:
         return out
@@ -278,6 +284,7 @@ def paged_prefill(
         query_start_loc,
         out,
         scale * LOG2_E,
+        first_seq,
         query.stride(0),
         query.stride(1),
         *kv_cache_layer.stride()[:4],

@@ -1,7 +1,9 @@
 """Start-up warm-up: one dummy batch, so the first real request pays no first-use costs.
 
 What a first batch pays and later ones do not: operators dispatched and kernels loaded for the
-first time (on CUDA: Triton kernels compiled, cuBLAS handles and workspaces made), torch's
+first time (on CUDA: Triton kernels compiled — every variant a later step can launch, split
+decode included, by the Triton backend's first call: `kvpool.attention.triton_backend` —
+cuBLAS handles and workspaces made), torch's
 allocator growing its pools, the tokenizer's first decode, the sampler's sort and log-softmax
 paths. The warm-up pays them at start-up instead.
 
