@@ -151,3 +151,25 @@ def test_decodes_of_very_different_lengths_are_grouped_and_still_exact():
     groups = plan_decode_groups(metadata)
     assert len(groups) > 1
     assert sorted(row for group in groups for row in group.rows.tolist()) == list(range(7))
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_model_step_reads_nothing_back_to_the_host(backend):
+    # On a GPU each read back waits for the queued kernels: one per layer would serialise the
+    # step. The backend plans from the metadata's host copies, once per step.
+    from kvpool.engine.model_runner import ModelRunner, SequenceChunk
+    from kvpool.memory.kv_cache import KVCache
+    from kvpool.model.loaders.auto import load_model
+    from tests.host_reads import HostReads
+
+    loaded = load_model("tiny", "dummy", attention_backend=BACKENDS[backend]())
+    config = loaded.config
+    runner = ModelRunner(loaded.model, KVCache(
+        KVLayout(4, config.num_layers, config.num_kv_heads, config.head_dim), 16))
+    # Two decodes of different lengths beside a prefill chunk after a cached prefix.
+    chunks = [SequenceChunk([5], 9, [1, 2, 3]), SequenceChunk([7], 2, [4]),
+              SequenceChunk([1, 2, 3], 4, [5, 6])]
+    with HostReads() as reads:
+        logits = runner.execute(chunks)
+    assert reads.total == 0, reads.counts
+    assert logits.sampling.shape == (3, config.vocab_size)
