@@ -157,10 +157,11 @@ def test_engine_with_padded_decode_generates_the_eager_engines_tokens(parts):
     from kvpool.engine.sampling_params import SamplingParams
 
     def generate(padded: bool) -> tuple[list[list[int]], LLMEngine]:
+        # enforce_eager: on CUDA too, the engine starts with the eager runner.
         config = EngineConfig(model="tiny", load_format="dummy", dtype="float32", device=DEVICE,
                               attention_backend="triton", block_size=BLOCK_SIZE,
                               num_gpu_blocks=40, max_model_len=MAX_MODEL_LEN,
-                              enable_warmup=False, max_num_seqs=4)
+                              enable_warmup=False, max_num_seqs=4, enforce_eager=True)
         engine = LLMEngine(config, build_engine_parts(config))
         if padded:
             engine.runner = DecodeGraphRunner.eager(engine.parts.model, engine.kv_memory.kv_cache,
