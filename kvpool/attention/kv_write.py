@@ -13,7 +13,9 @@ Contract (`check_write_kv`):
 
     kv_cache_layer  [num_blocks, 2, block_size, num_kv_heads, head_dim]   (a strided view)
     key, value      [num_tokens, num_kv_heads, head_dim]
-    slot_mapping    [num_tokens] int64, `block_id * block_size + offset`, all distinct
+    slot_mapping    [num_tokens] int64, `block_id * block_size + offset`, all distinct;
+                    `write_kv_triton` also skips a negative slot (`PAD_SLOT_ID`, a padded
+                    token of a graphed decode), the other paths never see one
     kv_scales       [num_blocks, 2, block_size, num_kv_heads] float32, on the cache's device,
                     exactly when the cache's dtype is a quantized code (`kvpool.kernels.dtypes`)
 

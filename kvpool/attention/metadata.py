@@ -21,6 +21,12 @@ Invariants: `query_start_loc[0] == 0`, `query_start_loc[-1] == num_tokens`,
 `slot_mapping` has one slot per new token, in the same flattened order. Block size and every
 other fact about the KV cache come from `layout`, the engine's one `KVLayout`.
 
+Padding (graphed decode only, `kvpool.engine.decode_graphs`): a batch padded to a captured
+size ends in rows whose slot is `PAD_SLOT_ID` (the Triton write stores nothing for it), whose
+context is 1 token and whose block table is all null block: they read the null block's zeros
+and write nothing, so the null block stays zero. There, the host values are the capture's plan
+(`max_decode_seq_len` the longest context the graph serves), not the batch's.
+
 This is the step's attention plan: the model runner builds it once per step
 (`ModelRunner.prepare`) and every layer's backend call reads it. What backends plan on the host
 is in it as host values (`query_start_loc_cpu`, `max_decode_seq_len`, `max_prefill_query_len`),
@@ -36,6 +42,8 @@ import torch
 
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.kv_layout import KVLayout
+
+PAD_SLOT_ID = -1  # the slot of a padded token: its K/V are written nowhere
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ kernel it always was. The scales of a block move with its codes: `copy_blocks` o
 tensor copies them (each block is one contiguous range there too).
 
 Invariants the callers keep (checked on the host where that is free):
-- `slot_mapping` holds one slot per new token, `block_id * block_size + offset`, all distinct.
+- `slot_mapping` holds one slot per new token, `block_id * block_size + offset`, all distinct;
+  a negative slot (`metadata.PAD_SLOT_ID`) marks a padded token, whose K/V the write skips
+  (the rows that pad a graphed decode to its batch size: `kvpool.engine.decode_graphs`).
 - Block copies: destination ids are distinct and none of them is also a source, so the copies
   are independent and may run in any order, in parallel.
 """
@@ -142,12 +144,15 @@ def write_kv_kernel(
     # One program per new token: all of its heads, K and V, in one pass.
     token_id = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token_id).to(tl.int64)
+    # A negative slot (PAD_SLOT_ID) is a padded token: no head is read or stored.
+    num_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    slot = tl.maximum(slot, 0)
     block_id = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
 
     heads = tl.arange(0, BLOCK_HEADS)
     dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)  # [BLOCK_HEADS, BLOCK_D]
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < HEAD_DIM)  # [BLOCK_HEADS, BLOCK_D]
 
     key = tl.load(
         key_ptr + token_id * stride_key_token + heads[:, None] * stride_key_head + dims[None, :],
@@ -169,7 +174,7 @@ def write_kv_kernel(
         tl.store(dst, key.to(code_type), mask=mask)
         tl.store(dst + stride_kv_kv, value.to(code_type), mask=mask)
     else:
-        head_mask = heads < NUM_KV_HEADS
+        head_mask = heads < num_heads
         key_codes, key_scales = quantize_rows(key, KV_QUANT, QMAX, code_type)
         value_codes, value_scales = quantize_rows(value, KV_QUANT, QMAX, code_type)
         tl.store(dst, key_codes, mask=mask)

@@ -70,6 +70,8 @@ def engine_flag_arguments(
             kwargs["choices"] = flag.choices
         if flag.metavar is not None:
             kwargs["metavar"] = flag.metavar
+        if flag.nargs is not None:
+            kwargs["nargs"] = flag.nargs
         names = sorted((flag_name(name), *flag.aliases), key=lambda n: n.startswith("--"))
         arguments.append((tuple(names), {**kwargs, "dest": name}))  # short ones (-tp) first
     return arguments

@@ -77,7 +77,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
         self.config = config
         self.parts = parts = parts or build_engine_parts(config)
-        self.runner = make_runner(parts)
+        self.runner = make_runner(parts, config)
         self.intake = RequestIntake(parts.tokenizer, parts.model_config, parts.max_model_len,
                                     config.scheduling.max_num_seqs, parts.kv_memory, parts.device)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)

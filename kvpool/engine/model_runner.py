@@ -80,6 +80,9 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # the sampling rows, then the prompt-logprob rows
     num_sampling_rows: int
+    # Every chunk one new token, sampled once, no prompt rows: logits row i is token i's
+    # (what a CUDA-graphed decode replays: `kvpool.engine.decode_graphs`).
+    is_pure_decode: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,8 @@ class ModelRunner:
             slot_mapping.extend(layout.slot_mapping(chunk.block_ids, start, seq_len))
             token_ids.extend(chunk.token_ids)
         sampling_rows, prompt_rows = _logits_rows(chunks, first_token)
+        is_pure_decode = (len(token_ids) == len(chunks) and not prompt_rows
+                          and sampling_rows == list(range(len(chunks))))
         ordered = [chunks[index] for index in order]
         metadata = AttentionMetadata.build(
             query_lens=[len(chunk.token_ids) for chunk in ordered],
@@ -168,6 +173,7 @@ class ModelRunner:
             logits_indices=torch.tensor(sampling_rows + prompt_rows, dtype=torch.int64,
                                         device=self.device),
             num_sampling_rows=len(sampling_rows),
+            is_pure_decode=is_pure_decode,
         )
 
 

@@ -50,6 +50,7 @@ from kvpool.engine.config import (
     LoadConfig,
     TierConfig,
 )
+from kvpool.engine.decode_graphs import DecodeGraphRunner, decode_plan
 from kvpool.engine.generation_config import default_sampling_params
 from kvpool.engine.model_loading import load_engine_model, resolve_device
 from kvpool.engine.model_runner import ModelRunner
@@ -251,9 +252,15 @@ def kv_num_blocks(config: EngineConfig, layout: KVLayout, device: torch.device) 
     return num_rows - 1
 
 
-def make_runner(parts: EngineParts) -> ModelRunner:
-    """The model runner: rank 0's tensor-parallel one when there are workers."""
-    if parts.workers is None:
-        return ModelRunner(parts.model, parts.kv_memory.kv_cache, parts.device)
-    return TensorParallelRunner(parts.model, parts.kv_memory.kv_cache, parts.device,
-                                parts.workers)
+def make_runner(parts: EngineParts, config: EngineConfig) -> ModelRunner:
+    """The model runner: rank 0's tensor-parallel one when there are workers; else one that
+    replays CUDA graphs of the decode step where `config` and the device allow it
+    (`kvpool.engine.decode_graphs`, captured now); else the eager one."""
+    kv_cache = parts.kv_memory.kv_cache
+    if parts.workers is not None:
+        return TensorParallelRunner(parts.model, kv_cache, parts.device, parts.workers)
+    plan = decode_plan(config, parts.model, parts.device, parts.max_model_len,
+                       parts.model_config.vocab_size)
+    if plan is None:
+        return ModelRunner(parts.model, kv_cache, parts.device)
+    return DecodeGraphRunner.capture(parts.model, kv_cache, parts.device, plan)

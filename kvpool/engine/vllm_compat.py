@@ -1,11 +1,11 @@
 """vLLM engine arguments kvpool has no counterpart for: accepted where ignoring them changes
 nothing, refused where it would.
 
-A script written for vLLM passes `LLM(model, pipeline_parallel_size=1, enforce_eager=True,
-trust_remote_code=True, ...)`. Each such argument has one entry in `VLLM_ARGS`: the values at
-which kvpool behaves as vLLM does with them (`neutral`; None: every value, for arguments that
-only tune machinery kvpool does not have, such as CUDA graphs), why, and what kvpool supports
-instead. `engine_options` sorts a call's keywords:
+A script written for vLLM passes `LLM(model, pipeline_parallel_size=1, trust_remote_code=True,
+...)`. Each such argument has one entry in `VLLM_ARGS`: the values at which kvpool behaves as
+vLLM does with them (`neutral`; None: every value, for arguments that only tune machinery
+kvpool does not have, such as torch.compile), why, and what kvpool supports instead.
+`engine_options` sorts a call's keywords:
 
 - an `EngineConfig` option (a section's field, by its flat name) passes through;
 - a vLLM name for an option kvpool has under another name is renamed (`RENAMED`);
@@ -79,10 +79,9 @@ VLLM_ARGS: tuple[VLLMArg, ...] = (
     VLLMArg("disable_custom_all_reduce", None, "one device: there is no all-reduce",
             flag=bool),
     # Execution machinery kvpool does not have; none of it changes outputs.
-    VLLMArg("enforce_eager", None, "kvpool always runs the model eagerly (no CUDA graphs)",
-            flag=bool),
     VLLMArg("compilation_config", None,
-            "kvpool does not compile the model (no torch.compile, no CUDA graphs)",
+            "kvpool does not compile the model (no torch.compile); its CUDA graphs follow "
+            "enforce_eager, cudagraph_capture_sizes and max_cudagraph_capture_size",
             flag=str, aliases=("-cc",)),
     VLLMArg("async_scheduling", None, "kvpool schedules each step after the previous one, "
             "which changes speed, not outputs", flag=bool),

@@ -4,14 +4,14 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors. `TRITON_INT
 when `@triton.jit` decorates a function (Triton's own library functions included), so this
 module sets it while it imports triton and the kernel modules — at collection, before any test
 runs — and then restores the environment, so no subprocess inherits it. Inside this process
-Triton stays in interpreter mode, the only mode its kernels can run in without CUDA. With CUDA
-nothing is switched: the same tests run the compiled kernels on the GPU, and the GPU-marked
-tests add realistic shapes in fp16/bf16 and a whole greedy generation against the torch backend.
+Triton stays in interpreter mode, the only mode its kernels can run in without CUDA
+(`tests/attention/triton_interpreter.py`). With CUDA nothing is switched: the same tests run
+the compiled kernels on the GPU, and the GPU-marked tests add realistic shapes in fp16/bf16 and
+a whole greedy generation against the torch backend.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
@@ -23,55 +23,21 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvpool.attention
 from kvpool.attention.kv_write import write_kv_reference, write_kv_triton
-from kvpool.attention.metadata import AttentionMetadata
+from kvpool.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from kvpool.attention.torch_ref import TorchAttentionBackend
 from kvpool.memory.kv_layout import QUANTIZED_CODE_MAX, KVLayout
 from kvpool.memory.kv_quant import quantize
-
-KERNEL_MODULES = ("triton_decode", "triton_prefill", "triton_kv", "triton_backend")
-IS_INTERPRETED = not torch.cuda.is_available()
-DEVICE = "cpu" if IS_INTERPRETED else "cuda"
-
-
-def import_kernels_for_the_interpreter() -> None:
-    """Import triton and the kernel modules in interpreter mode, then restore the environment.
-
-    `triton.knobs.runtime.interpret` keeps the mode for Triton's later lazy imports (the knob
-    lives in this process; the environment variable would also reach subprocesses).
-    """
-    if "triton" in sys.modules:
-        from triton.language import standard
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(standard.cdiv, InterpretedFunction):
-            raise RuntimeError(
-                "triton was imported before these tests could enable its interpreter; "
-                "run tests/attention/test_triton_kernels.py in a process of its own"
-            )
-    for short in KERNEL_MODULES:  # drop compiled-mode copies, if any were imported
-        sys.modules.pop(f"kvpool.attention.{short}", None)
-        vars(kvpool.attention).pop(short, None)
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-
-        triton.knobs.runtime.interpret = True
-        for short in KERNEL_MODULES:
-            importlib.import_module(f"kvpool.attention.{short}")
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
+from tests.attention.triton_interpreter import (
+    DEVICE,
+    IS_INTERPRETED,
+    import_kernels_for_the_interpreter,
+)
 
 if IS_INTERPRETED:
     import_kernels_for_the_interpreter()
 
-from kvpool.attention import (  # noqa: E402  (after the interpreter switch)
+from kvpool.attention import (  # after the interpreter switch
     triton_backend,
     triton_decode,
     triton_kv,
@@ -218,6 +184,24 @@ def test_write_kv_reads_strided_inputs_into_a_layer_view():
     write_kv_reference(expected[:, 1], key, value, slots)
     write_kv_triton(cache[:, 1], key, value, slots)
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=str)
+def test_write_kv_skips_padded_slots(kv_dtype):
+    # A graphed decode pads its batch with PAD_SLOT_ID rows: only the real rows are stored.
+    num_kv_heads, head_dim, block_size = 2, 16, 8
+    key = torch.randn(4, num_kv_heads, head_dim, device=DEVICE)
+    value = torch.randn(4, num_kv_heads, head_dim, device=DEVICE)
+    cache = torch.zeros(3, 2, block_size, num_kv_heads, head_dim, device=DEVICE).to(kv_dtype)
+    scales = None if kv_dtype == torch.float32 else torch.ones(
+        3, 2, block_size, num_kv_heads, device=DEVICE)
+    expected, expected_scales = cache.clone(), None if scales is None else scales.clone()
+    real = [0, 2]
+    slots = torch.tensor([9, PAD_SLOT_ID, 20, PAD_SLOT_ID], device=DEVICE)
+    write_kv_reference(expected, key[real], value[real], slots[real], expected_scales)
+    write_kv_triton(cache, key, value, slots, scales)
+    assert torch.equal(cache, expected)
+    assert scales is None or torch.equal(scales, expected_scales)
 
 
 def test_write_kv_of_no_tokens_changes_nothing():

@@ -152,3 +152,17 @@ def test_override_generation_config_must_be_a_json_object(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--override-generation-config", "[1, 2]"])
     assert "not a JSON object" in capsys.readouterr().err
+
+
+def test_cuda_graph_flags_are_vllms():
+    from kvpool.cli import build_parser
+
+    args = build_parser().parse_args([
+        "serve", "--enforce-eager", "--cudagraph-capture-sizes", "1", "2", "8",
+        "--max-cudagraph-capture-size", "8"])
+    load = engine_config_from_args(args).load
+    assert load.enforce_eager and load.cudagraph_capture_sizes == (1, 2, 8)
+    assert load.max_cudagraph_capture_size == 8
+    args = build_parser().parse_args(["serve", "--cuda-graph-sizes", "4", "2"])
+    load = engine_config_from_args(args).load
+    assert not load.enforce_eager and load.cudagraph_capture_sizes == (2, 4)

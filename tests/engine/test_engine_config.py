@@ -109,7 +109,19 @@ def test_checks_across_sections(options, message):
 
 def test_vllm_renames_are_the_flags_long_aliases():
     assert RENAMED == {"num_gpu_blocks_override": "num_gpu_blocks",
-                       "kv_cache_memory_bytes": "kv_cache_memory"}
+                       "kv_cache_memory_bytes": "kv_cache_memory",
+                       "cuda_graph_sizes": "cudagraph_capture_sizes"}
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 4]])
+def test_cudagraph_capture_sizes_must_be_batch_sizes(sizes):
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes must be batch sizes"):
+        EngineConfig(cudagraph_capture_sizes=sizes)
+
+
+def test_cudagraph_capture_sizes_are_kept_sorted_and_distinct():
+    assert EngineConfig(cudagraph_capture_sizes=[8, 1, 4, 4]).load.cudagraph_capture_sizes == (
+        1, 4, 8)
 
 
 def test_a_config_pickles_for_the_tensor_parallel_workers():

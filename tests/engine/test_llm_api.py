@@ -50,7 +50,7 @@ def _token_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 # ------------------------------------------------------------------ vLLM's arguments
 def test_vllm_arguments_at_neutral_values_are_ignored_with_one_warning(tiny_dir, caplog):
     neutral = {
-        "pipeline_parallel_size": 1, "enforce_eager": True,
+        "pipeline_parallel_size": 1,
         "trust_remote_code": True, "disable_log_stats": True, "max_logprobs": 5,
         "tokenizer": str(tiny_dir), "tokenizer_mode": "auto", "revision": None,
         "download_dir": None, "disable_custom_all_reduce": True,

@@ -1,5 +1,5 @@
-"""Where the model comes from and how it is loaded: the checkpoint, its dtype and device, the
-attention backend, sampling defaults and the start-up warm-up."""
+"""Where the model comes from and how it is loaded and run: the checkpoint, its dtype and device,
+the attention backend, CUDA graphs, sampling defaults and the start-up warm-up."""
 
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ class LoadConfig:
     (the model's generation_config.json), "vllm" (none: SamplingParams' own) or a directory
     holding such a file; `override_generation_config` (HF names, e.g. {"temperature": 0.5}) is
     merged over them (`kvpool.engine.generation_config`).
+
+    CUDA graphs (vLLM's names): unless `enforce_eager`, a CUDA engine with the triton attention
+    backend captures its decode step once per batch size of `cudagraph_capture_sizes` (None:
+    vLLM's pattern 1, 2, 4, 8, 16, 24, ... up to `max_cudagraph_capture_size`, itself None:
+    min(max_num_seqs, 512)) and replays it for a decode-only step of that many sequences or
+    fewer (`kvpool.engine.decode_graphs`); every other step runs eagerly.
     """
 
     TITLE: ClassVar[str] = "model loading"
@@ -43,6 +49,15 @@ class LoadConfig:
     attention_backend: str = option(
         "auto", "auto: triton on CUDA; on the CPU the C++ decode kernel (cpu) when it builds, "
         "else the PyTorch reference (torch)", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(
+        False, "never capture CUDA graphs: every step runs eagerly (graphs are captured only "
+        "on CUDA with the triton attention backend)")
+    cudagraph_capture_sizes: tuple[int, ...] | None = option(
+        None, "decode batch sizes to capture a CUDA graph for (default: 1 2 4 8 16 24 ... up "
+        "to --max-cudagraph-capture-size)", parser=int, nargs="+", metavar="SIZE",
+        aliases=("--cuda-graph-sizes",))
+    max_cudagraph_capture_size: int | None = option(
+        None, "the largest decode batch captured (default: min(max_num_seqs, 512))")
     enable_warmup: bool = option(
         True, "run a dummy batch at start-up so the first request pays no first-use costs")
     generation_config: str = option(
@@ -61,7 +76,14 @@ class LoadConfig:
                                  "generation_config.json fields, e.g. {'temperature': 0.5}")
             object.__setattr__(self, "override_generation_config",
                                dict(self.override_generation_config))
-        check_at_least_one(max_model_len=self.max_model_len)
+        check_at_least_one(max_model_len=self.max_model_len,
+                           max_cudagraph_capture_size=self.max_cudagraph_capture_size)
+        if self.cudagraph_capture_sizes is not None:
+            sizes = tuple(sorted(set(self.cudagraph_capture_sizes)))
+            if not sizes or sizes[0] < 1:
+                raise ValueError("cudagraph_capture_sizes must be batch sizes of at least 1, "
+                                 f"got {list(self.cudagraph_capture_sizes)}")
+            object.__setattr__(self, "cudagraph_capture_sizes", sizes)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

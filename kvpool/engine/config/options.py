@@ -59,14 +59,15 @@ class Flag:
     choices: tuple[str, ...] | None = None
     aliases: tuple[str, ...] = ()  # other spellings, e.g. vLLM's --num-gpu-blocks-override
     metavar: str | None = None
+    nargs: str | None = None  # "+": a list of values, each parsed by `parser`
 
 
 def option(default: Any, help: str | None = None, *, parser: Callable[[str], Any] | None = None,
            choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (),
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, nargs: str | None = None) -> Any:
     """A config field with its default and its flag's facts."""
-    return field(default=default,
-                 metadata={_FLAG_KEY: Flag(help, parser, choices, tuple(aliases), metavar)})
+    return field(default=default, metadata={
+        _FLAG_KEY: Flag(help, parser, choices, tuple(aliases), metavar, nargs)})
 
 
 def flag_of(config_field: Field) -> Flag:
