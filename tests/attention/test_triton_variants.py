@@ -5,21 +5,28 @@ GPU). The warm-up's first attention call launches every variant a step can use
 (`TritonAttentionBackend`), and the kernels do not specialise on what varies between steps;
 this test serves a mixed workload after the warm-up and checks that each launch's variant key
 (`tests/attention/kernel_variants.py`, computed as Triton does) was already seen. It runs the
-interpreter on the CPU (importing the kernel tests' module switches it) and the compiled
-kernels on CUDA alike.
+interpreter on the CPU and the compiled kernels on CUDA alike.
 """
 
 from __future__ import annotations
 
-from tests.attention.test_triton_kernels import (
+from tests.attention.triton_interpreter import (
     DEVICE,
-    triton_decode,
-    triton_kv,
-    triton_prefill,
+    IS_INTERPRETED,
+    import_kernels_for_the_interpreter,
 )
 
-KERNELS = [(triton_decode, "_decode_kernel"), (triton_decode, "_reduce_kernel"),
-           (triton_prefill, "_prefill_kernel"), (triton_kv, "write_kv_kernel")]
+if IS_INTERPRETED:
+    import_kernels_for_the_interpreter()
+
+
+def kernels() -> list[tuple]:
+    """(module, kernel name) of every kernel the backend launches: the modules imported now
+    (another test module may have imported them again since this one was collected)."""
+    from kvpool.attention import triton_decode, triton_kv, triton_prefill
+
+    return [(triton_decode, "_decode_kernel"), (triton_decode, "_reduce_kernel"),
+            (triton_prefill, "_prefill_kernel"), (triton_kv, "write_kv_kernel")]
 
 
 def serve_mixed_steps(llm) -> None:
@@ -34,11 +41,12 @@ def serve_mixed_steps(llm) -> None:
 
 def test_serving_after_the_warm_up_compiles_no_new_variant(monkeypatch):
     from kvpool import LLM
+    from kvpool.attention import triton_decode
     from tests.attention.kernel_variants import VariantRecorder  # after the interpreter switch
 
     # Plan splits as on an H200 (132 multiprocessors): a 600-token context splits in two.
     monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)
-    recorder = VariantRecorder(monkeypatch, KERNELS)
+    recorder = VariantRecorder(monkeypatch, kernels())
     llm = LLM(model="tiny", load_format="dummy", dtype="float32", device=DEVICE,
               attention_backend="triton", kv_cache_memory=1 << 26, max_num_batched_tokens=64,
               kv_cache_dtype="int8")
