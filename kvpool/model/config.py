@@ -1,28 +1,33 @@
-"""`ModelConfig`: the shape and numerics of one Llama-family model, read from its weights' metadata.
+"""`ModelConfig`: the shape and numerics of one decoder-only model, read from its weights'
+metadata.
 
-One config serves every source: GGUF key-values (`from_gguf_metadata`), a HuggingFace
-`config.json` (`from_hf_config`), or a named preset (`preset`, for dummy weights and tests).
-Llama 2/3, Mistral, SmolLM2 and Qwen2 share the architecture; they differ only in the fields
-below (Qwen2 adds q/k/v biases).
+One config serves every source: a HuggingFace `config.json` (`kvpool.model.hf_config`), GGUF
+key-values (`kvpool.model.gguf_config`), or a named preset (`preset`, for dummy weights and
+tests: `kvpool.model.presets`). Llama 2/3, Mistral, SmolLM2/3, Qwen2 and Qwen3 share one
+decoder; they differ only in the fields below: q/k/v biases (Qwen2), per-head RMSNorm of queries
+and keys before RoPE (Qwen3's `qk_norm`), and per-layer facts in `layers` (`LayerSpec`: a
+sliding window, or no positional encoding as in SmolLM3's every fourth layer).
 
 Invariants (checked in `__post_init__`): every size is positive, `num_heads` is a multiple of
-`num_kv_heads`, `head_dim` is even (rotary embeddings rotate pairs), and `rope_scaling` is None or
-a dict whose `rope_type` is one of `ROPE_TYPES` with that type's keys present.
+`num_kv_heads`, `head_dim` is even (rotary embeddings rotate pairs), `rope_scaling` is None or
+a dict whose `rope_type` is one of `ROPE_TYPES` with that type's keys present, and `layers` is
+empty (every layer full attention with the model's RoPE) or holds one spec per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.memory.kv_layout import KVLayout
+from kvpool.model.layer_spec import LayerSpec, RopeSpec
 
 if TYPE_CHECKING:
     import torch
 
-ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
+ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
 
 # rope_type -> keys it needs. "freq_factors" divides each inverse frequency by a given factor:
 # how GGUF files carry Llama 3.1 scaling (a `rope_freqs` tensor instead of key-values).
@@ -52,8 +57,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layers: tuple[LayerSpec, ...] = ()  # one per layer; () = all full attention, the model's RoPE
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -77,6 +84,29 @@ class ModelConfig:
             if token_id is not None and not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"special token id {token_id} outside vocab 0..{self.vocab_size}")
         _check_rope_scaling(self.rope_scaling, self.head_dim)
+        if self.layers and len(self.layers) != self.num_layers:
+            raise ValueError(f"layers has {len(self.layers)} specs for {self.num_layers} layers")
+        for layer in self.layers:
+            if layer.rope is not None:
+                _check_rope_scaling(layer.rope.scaling, layer.rope.rotary_dim)
+                if layer.rope.rotary_dim > self.head_dim:
+                    raise ValueError(f"rotary_dim {layer.rope.rotary_dim} exceeds head_dim "
+                                     f"{self.head_dim}")
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The model's rotary embedding (layers without a spec of their own use it)."""
+        return RopeSpec(self.rope_theta, self.rope_scaling, self.head_dim)
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """One `LayerSpec` per layer."""
+        return self.layers or (LayerSpec(self.rope),) * self.num_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by before the softmax."""
+        return self.head_dim**-0.5
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -94,115 +124,15 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
         """A named model shape (weights come from elsewhere or are random)."""
+        from kvpool.model.presets import PRESETS
+
         try:
             return PRESETS[name]
         except KeyError:
             raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
 
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """From a HuggingFace `config.json` (as a dict)."""
-        model_type = config.get("model_type", "llama")
-        if config.get("mlp_bias") or (model_type != "qwen2" and config.get("attention_bias")):
-            raise ValueError("biases on o_proj or the MLP are not supported")
-        if model_type == "qwen2" and config.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        num_heads = config["num_attention_heads"]
-        max_positions = config.get("max_position_embeddings", 4096)
-        if config.get("sliding_window") and model_type == "mistral":
-            # Full attention equals sliding-window attention up to the window length.
-            max_positions = min(max_positions, config["sliding_window"])
-        rope_theta, rope_scaling = _hf_rope(config)
-        return cls(
-            architecture=model_type,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2",
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
-        )
-
-    @classmethod
-    def from_gguf_metadata(
-        cls, metadata: Mapping[str, Any], tensor_names: Collection[str]
-    ) -> ModelConfig:
-        """From GGUF key-values (decoded to Python values) and the file's tensor names.
-
-        Tied embeddings are not a key in GGUF: a file without `output.weight` reuses
-        `token_embd.weight` as the LM head.
-        """
-        arch = metadata["general.architecture"]
-        if arch not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
-
-        def key(suffix: str, default: Any = None) -> Any:
-            return metadata.get(f"{arch}.{suffix}", default)
-
-        num_heads = key("attention.head_count")
-        hidden_size = key("embedding_length")
-        vocab_size = key("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
-        eos_keys = ("eos", "eot", "eom")  # end of sequence / of turn / of message
-        eos_ids = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in eos_keys]
-        return cls(
-            architecture=arch,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=key("feed_forward_length"),
-            num_layers=key("block_count"),
-            num_heads=num_heads,
-            num_kv_heads=key("attention.head_count_kv") or num_heads,
-            head_dim=key("attention.key_length") or hidden_size // num_heads,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(key),
-            max_position_embeddings=key("context_length", 4096),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias=arch == "qwen2",
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
-        )
-
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
-
-
-def _as_id_tuple(value: int | Sequence[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(value)
-
-
-def _hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """rope_theta and rope_scaling from transformers 4.x (`rope_theta` + `rope_scaling`) or
-    5.x (`rope_parameters`) config keys."""
-    params = dict(config.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    scaling = dict(config.get("rope_scaling") or params)
-    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    return theta, {"rope_type": rope_type, **scaling}
-
-
-def _gguf_rope_scaling(key: Any) -> dict[str, Any] | None:
-    rope_type = key("rope.scaling.type")
-    if rope_type in (None, "none"):
-        return None
-    if rope_type != "linear":
-        raise ValueError(f"unsupported GGUF rope scaling {rope_type!r}; supported: linear")
-    return {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
 
 
 def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> None:
@@ -216,43 +146,3 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> Non
         raise ValueError(f"rope_scaling of type {rope_type!r} lacks {sorted(missing)}")
     if rope_type == "freq_factors" and len(scaling["freq_factors"]) != head_dim // 2:
         raise ValueError(f"freq_factors needs head_dim / 2 = {head_dim // 2} entries")
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,),
-    ),
-    "smollm2-135m": ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_ids=(2,),
-    ),
-    "llama-2-7b": ModelConfig(
-        architecture="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-        num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
-    ),
-    "llama-3-8b": ModelConfig(
-        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=128000,
-        eos_token_ids=(128001, 128009),
-    ),
-    "llama-3.1-8b": ModelConfig(
-        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ),
-    "qwen2-0.5b": ModelConfig(
-        architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
-        attention_bias=True, bos_token_id=151643, eos_token_ids=(151645, 151643),
-    ),
-}

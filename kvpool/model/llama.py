@@ -1,4 +1,10 @@
-"""The Llama-family model (Llama 2/3, Mistral, SmolLM2, Qwen2) in PyTorch, over a paged KV cache.
+"""The Llama-family model (Llama 2/3, Mistral, SmolLM2/3, Qwen2/3) in PyTorch, over a paged KV
+cache.
+
+Each layer is built from its `LayerSpec` (`ModelConfig.layer_specs`): its rotary embedding (one
+cos/sin table per distinct `RopeSpec`, shared by the layers that use it; none for a NoPE layer),
+and the model-wide options: Qwen3's per-head RMSNorm of queries and keys before RoPE
+(`qk_norm`), Qwen2's q/k/v biases.
 
 Inputs are flat: the new tokens of every sequence in the step, concatenated with no padding, with
 their absolute positions. Attention goes through an `AttentionBackend` given at construction;
@@ -37,7 +43,7 @@ from kvpool.kernels import fused
 from kvpool.model.config import ModelConfig
 from kvpool.model.linear import Linear
 from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes
-from kvpool.model.rope import StepRotary, cos_sin_cache
+from kvpool.model.rope import NO_ROTARY, NoRotary, StepRotary, cos_sin_cache
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -61,6 +67,23 @@ class RMSNorm(nn.Module):
         fused.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
+class HeadNorm(nn.Module):
+    """RMSNorm over each head of q or k [num_tokens, num_heads, head_dim] (Qwen3's QK-norm):
+    one weight of `head_dim` shared by the heads."""
+
+    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.norm = RMSNorm(head_dim, eps, dtype, device)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.reshape(-1, x.shape[-1])).view(x.shape)  # rows: (token, head)
+
+
 class Attention(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_id: int, backend: AttentionBackend,
@@ -75,20 +98,23 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         qkv_size = self.q_size + 2 * self.kv_size
         self.qkv = Linear(config.hidden_size, qkv_size, config.attention_bias, dtype, device)
         self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device)
+        self.q_norm, self.k_norm = (
+            (HeadNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm
+             else nn.Identity()) for _ in "qk")
 
     def forward(
-        self, x: torch.Tensor, rotary: StepRotary, kv_cache: torch.Tensor,
+        self, x: torch.Tensor, rotary: StepRotary | NoRotary, kv_cache: torch.Tensor,
         metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv(x)  # [num_tokens, qkv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # views of qkv's rows
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # views of qkv's rows
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rotary.apply_(q)
         rotary.apply_(k)
@@ -128,7 +154,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype, device, tp)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: StepRotary,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: StepRotary | NoRotary,
         kv_cache: torch.Tensor, metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +168,30 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, rotary, kv_cache, metadata, kv_scales)
         self.post_attention_layernorm.add_(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class RopeTables(nn.Module):
+    """The model's cos/sin tables, one pair per distinct `RopeSpec` among its layers, and which
+    pair (or none: NoPE) each layer rotates with."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str):
+        super().__init__()
+        specs = [layer.rope for layer in config.layer_specs]
+        distinct = [rope for i, rope in enumerate(specs) if rope is not None
+                    and rope not in specs[:i]]
+        self.layer_tables = [None if rope is None else distinct.index(rope) for rope in specs]
+        self.num_tables = len(distinct)
+        for index, rope in enumerate(distinct):
+            cos, sin = cos_sin_cache(rope.rotary_dim, rope.theta, config.max_position_embeddings,
+                                     rope.scaling, device)
+            self.register_buffer(f"cos_{index}", cos, persistent=False)  # [positions, dim]
+            self.register_buffer(f"sin_{index}", sin, persistent=False)
+
+    def for_step(self, positions: torch.Tensor) -> list[StepRotary | NoRotary]:
+        """Each layer's rotary for a step's token positions."""
+        tables = [StepRotary(getattr(self, f"cos_{i}"), getattr(self, f"sin_{i}"), positions)
+                  for i in range(self.num_tables)]
+        return [NO_ROTARY if index is None else tables[index] for index in self.layer_tables]
 
 
 class LlamaModel(nn.Module):
@@ -172,12 +222,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, num_local_vocab, False, dtype, device, tied)
-        cos, sin = cos_sin_cache(
-            config.head_dim, config.rope_theta, config.max_position_embeddings,
-            config.rope_scaling, device,
-        )
-        self.register_buffer("rope_cos", cos, persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_tables = RopeTables(config, device)
 
     @property
     def device(self) -> torch.device:
@@ -197,9 +242,9 @@ class LlamaModel(nn.Module):
         always); None on the other ranks, which send their vocab slice to rank 0. Every rank
         must call it with the same inputs (each fills its own KV heads of `kv_cache`)."""
         hidden = self._embed(token_ids)  # [num_tokens, hidden_size]
-        rotary = StepRotary(self.rope_cos, self.rope_sin, positions)
+        rotaries = self.rope_tables.for_step(positions)  # one per layer
         residual = None
-        for layer in self.layers:
+        for layer, rotary in zip(self.layers, rotaries, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata, kv_scales)
         # The final norm is per row: select the rows that need logits first.
         hidden, residual = hidden[logits_indices], residual[logits_indices]
@@ -253,6 +298,9 @@ class LlamaModel(nn.Module):
                 targets[prefix + f"self_attn.k_proj.{kind}"] = k_part
                 targets[prefix + f"self_attn.v_proj.{kind}"] = v_part
             targets[prefix + "self_attn.o_proj.weight"] = attn.o_proj.weight
+            if isinstance(attn.q_norm, HeadNorm):
+                targets[prefix + "self_attn.q_norm.weight"] = attn.q_norm.weight
+                targets[prefix + "self_attn.k_norm.weight"] = attn.k_norm.weight
             gate, up = mlp.gate_up.weight.split(mlp.intermediate_size, dim=0)
             targets[prefix + "mlp.gate_proj.weight"] = gate
             targets[prefix + "mlp.up_proj.weight"] = up

@@ -91,6 +91,17 @@ class StepRotary:
         x.copy_(apply_rotary(x, *rows))
 
 
+class NoRotary:
+    """The rotary of a layer without positional encoding (NoPE: SmolLM3's every fourth layer):
+    attention there sees token content only."""
+
+    def apply_(self, x: torch.Tensor) -> None:
+        pass
+
+
+NO_ROTARY = NoRotary()
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` # [num_tokens, num_heads, head_dim] by per-token `cos`/`sin`
     # [num_tokens, 1, head_dim], already in x's dtype."""

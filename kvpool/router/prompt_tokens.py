@@ -73,8 +73,8 @@ def load_tokenizer(model: str | None) -> Any:
     """The tokenizer of `model` (a path or cached Hub id, as `kvpool serve` takes it; None:
     the bundled SmolLM2), without its weights; None for a dummy preset, which has none (text
     prompts are then routed by load)."""
-    from kvpool.model.config import PRESETS
     from kvpool.model.loaders.auto import make_loader
+    from kvpool.model.presets import PRESETS
 
     if model in PRESETS:
         return None

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.model.config import PRESETS, ModelConfig
+from kvpool.model.config import ModelConfig
+from kvpool.model.gguf_config import config_from_gguf
+from kvpool.model.hf_config import config_from_hf
+from kvpool.model.presets import PRESETS
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -29,7 +32,7 @@ def test_from_transformers_llama_config():
         rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING},
         max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=[2, 3],
     )
-    config = ModelConfig.from_hf_config(hf.to_dict())
+    config = config_from_hf(hf.to_dict())
     assert config == ModelConfig(
         architecture="llama", vocab_size=1000, hidden_size=256, intermediate_size=512,
         num_layers=3, num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
@@ -45,7 +48,7 @@ def test_from_transformers_4_style_rope_keys():
         "num_hidden_layers": 1, "num_attention_heads": 4, "rope_theta": 1234.0,
         "rope_scaling": {"type": "linear", "factor": 2.0},
     }
-    config = ModelConfig.from_hf_config(legacy)
+    config = config_from_hf(legacy)
     assert config.rope_theta == 1234.0 and config.num_kv_heads == 4
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
@@ -53,12 +56,12 @@ def test_from_transformers_4_style_rope_keys():
 def test_from_transformers_qwen2_and_mistral():
     from transformers import MistralConfig, Qwen2Config
 
-    qwen = ModelConfig.from_hf_config(Qwen2Config(num_hidden_layers=2).to_dict())
+    qwen = config_from_hf(Qwen2Config(num_hidden_layers=2).to_dict())
     assert qwen.architecture == "qwen2" and qwen.attention_bias
-    mistral = ModelConfig.from_hf_config(MistralConfig(sliding_window=4096).to_dict())
+    mistral = config_from_hf(MistralConfig(sliding_window=4096).to_dict())
     assert mistral.max_position_embeddings == 4096  # full attention is exact up to the window
-    with pytest.raises(ValueError, match="sliding-window"):
-        ModelConfig.from_hf_config(Qwen2Config(use_sliding_window=True).to_dict())
+    with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
+        config_from_hf(Qwen2Config(use_sliding_window=True).to_dict())
 
 
 def test_from_gguf_metadata():
@@ -71,15 +74,15 @@ def test_from_gguf_metadata():
         "tokenizer.ggml.tokens": ["a"] * 300, "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 5,
     }
-    config = ModelConfig.from_gguf_metadata(metadata, ["token_embd.weight"])
+    config = config_from_gguf(metadata, ["token_embd.weight"])
     assert (config.vocab_size, config.head_dim, config.num_kv_heads) == (300, 32, 2)
     assert config.tie_word_embeddings  # no output.weight
     assert config.eos_token_ids == (2, 5)
     assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
-    untied = ModelConfig.from_gguf_metadata(metadata, ["token_embd.weight", "output.weight"])
+    untied = config_from_gguf(metadata, ["token_embd.weight", "output.weight"])
     assert not untied.tie_word_embeddings
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
-        ModelConfig.from_gguf_metadata({**metadata, "general.architecture": "gemma"}, [])
+        config_from_gguf({**metadata, "general.architecture": "gemma"}, [])
 
 
 def test_smollm2_gguf_config_matches_transformers(smollm2, hf_smollm2):

@@ -18,7 +18,7 @@ import torch
 
 from kvpool.attention.backend import AttentionBackend
 from kvpool.model import default_model_path
-from kvpool.model.config import PRESETS, ModelConfig
+from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import resolve_dtype
 from kvpool.model.llama import LlamaModel
 from kvpool.model.loaders.base import LoadedModel, WeightLoader
@@ -26,6 +26,7 @@ from kvpool.model.loaders.dummy import DummyLoader
 from kvpool.model.loaders.hf_dir import SafetensorsLoader, is_hf_directory
 from kvpool.model.loaders.hub import resolve_model_path
 from kvpool.model.parallel import TensorParallel, check_shapes
+from kvpool.model.presets import PRESETS
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEFAULT_DUMMY_PRESET = "smollm2-135m"

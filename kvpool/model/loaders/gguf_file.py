@@ -29,6 +29,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.gguf_config import config_from_gguf
 from kvpool.model.llama import shard_slice
 from kvpool.model.loaders.dequant import dequantize
 from kvpool.model.parallel import ShardSlice, TensorParallel, take_slice
@@ -48,6 +49,8 @@ _BLOCK_PART_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -135,7 +138,7 @@ class GGUFLoader:
         self.tensors: dict[str, ReaderTensor] = {t.name: t for t in reader.tensors}
 
     def load_config(self) -> ModelConfig:
-        config = ModelConfig.from_gguf_metadata(self.metadata, self.tensors.keys())
+        config = config_from_gguf(self.metadata, self.tensors.keys())
         if _ROPE_FREQS in self.tensors:
             factors = dequantize_tensor(self.tensors[_ROPE_FREQS]).tolist()
             config = config.replace(
@@ -147,7 +150,9 @@ class GGUFLoader:
         self, config: ModelConfig, device: torch.device,
         tp: TensorParallel = TensorParallel.single(),  # noqa: B008 (frozen, immutable)
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        is_permuted = self.metadata["general.architecture"] == "llama"
+        # llama.cpp's converter permutes Q/K rows for Llama and the models it converts as
+        # Llama (SmolLM3), not for Qwen2/Qwen3.
+        is_permuted = self.metadata["general.architecture"] in ("llama", "smollm3")
         for gguf_name, tensor in self.tensors.items():
             if gguf_name == _ROPE_FREQS:
                 continue
@@ -161,7 +166,7 @@ class GGUFLoader:
     def load_tokenizer(self) -> Tokenizer | None:
         if "tokenizer.ggml.tokens" not in self.metadata:
             return None
-        eos_ids = ModelConfig.from_gguf_metadata(self.metadata, self.tensors.keys()).eos_token_ids
+        eos_ids = config_from_gguf(self.metadata, self.tensors.keys()).eos_token_ids
         return Tokenizer.from_gguf(self.path, self.metadata, eos_ids)
 
     def load_generation_config(self) -> dict[str, Any]:

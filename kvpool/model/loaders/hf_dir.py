@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.hf_config import config_from_hf
 from kvpool.model.llama import shard_slice
 from kvpool.model.parallel import ShardSlice, TensorParallel
 from kvpool.model.tokenizer import Tokenizer
@@ -61,7 +62,7 @@ class SafetensorsLoader:
         self.generation_config = read_generation_config(self.directory)
 
     def load_config(self) -> ModelConfig:
-        config = ModelConfig.from_hf_config(self.hf_config)
+        config = config_from_hf(self.hf_config)
         extra = self.generation_config.get("eos_token_id")
         if extra is not None:
             extra_ids = [extra] if isinstance(extra, int) else list(extra)

@@ -1,0 +1,90 @@
+"""`ModelConfig` from GGUF key-values (decoded to Python values) and the file's tensor names.
+
+Keys are `<general.architecture>.<name>`, the names llama.cpp defines. What GGUF does not store
+as a key is derived the way llama.cpp derives it: tied embeddings from the absence of
+`output.weight`; Qwen3's per-head query/key norms from their tensors; SmolLM3's layers without
+RoPE from llama.cpp's fixed interval (every fourth layer: it reads no key for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from kvpool.model.config import ModelConfig
+from kvpool.model.hf_config import UnsupportedFeature
+from kvpool.model.layer_spec import LayerSpec
+
+SMOLLM3_NO_ROPE_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for smollm3
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+
+
+def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
+    """The `ModelConfig` of a GGUF file; `UnsupportedFeature` for an architecture kvpool lacks."""
+    arch = metadata["general.architecture"]
+    if arch not in ARCHITECTURES:
+        raise UnsupportedFeature(f"unsupported GGUF architecture {arch!r}; supported: "
+                                 f"{', '.join(ARCHITECTURES)}")
+
+    def key(suffix: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{suffix}", default)
+
+    config = ModelConfig(architecture=arch, **_shared_fields(metadata, key, tensor_names))
+    return _ARCH_FIELDS.get(arch, lambda config, names: config)(config, tensor_names)
+
+
+def _shared_fields(metadata: Mapping[str, Any], key: Callable[..., Any],
+                   tensor_names: Collection[str]) -> dict[str, Any]:
+    num_heads = key("attention.head_count")
+    hidden_size = key("embedding_length")
+    vocab_size = key("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
+    eos_keys = ("eos", "eot", "eom")  # end of sequence / of turn / of message
+    eos_ids = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in eos_keys]
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=key("attention.head_count_kv") or num_heads,
+        head_dim=key("attention.key_length") or hidden_size // num_heads,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(key),
+        max_position_embeddings=key("context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+    )
+
+
+def _qwen2(config: ModelConfig, tensor_names: Collection[str]) -> ModelConfig:
+    return config.replace(attention_bias=True)
+
+
+def _qwen3(config: ModelConfig, tensor_names: Collection[str]) -> ModelConfig:
+    return config.replace(qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
+
+
+def _smollm3(config: ModelConfig, tensor_names: Collection[str]) -> ModelConfig:
+    rope = config.rope
+    layers = tuple(LayerSpec(None if (i + 1) % SMOLLM3_NO_ROPE_INTERVAL == 0 else rope)
+                   for i in range(config.num_layers))
+    return config.replace(layers=layers)
+
+
+_ARCH_FIELDS: dict[str, Callable[[ModelConfig, Collection[str]], ModelConfig]] = {
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "smollm3": _smollm3,
+}
+
+
+def _rope_scaling(key: Callable[..., Any]) -> dict[str, Any] | None:
+    rope_type = key("rope.scaling.type")
+    if rope_type in (None, "none"):
+        return None
+    if rope_type != "linear":
+        raise UnsupportedFeature(f"unsupported GGUF rope scaling {rope_type!r}; "
+                                 "supported: linear")
+    return {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}

@@ -1,0 +1,147 @@
+"""`ModelConfig` from a HuggingFace `config.json` (as a dict), one reader per `model_type`.
+
+Every reader starts from the fields all these decoders share (`_shared_fields`) and adds its
+architecture's own. A config that asks for something kvpool does not implement is refused with
+the field's name (`UnsupportedFeature`): never run a model with a silently wrong feature. The
+refusals are data (`_REFUSED`: field -> the values kvpool implements), so adding a feature is
+deleting its line and implementing it.
+
+transformers 4.x and 5.x spell RoPE differently (`rope_theta` + `rope_scaling`, or one
+`rope_parameters` dict); both are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvpool.model.config import ModelConfig
+from kvpool.model.layer_spec import LayerSpec, RopeSpec
+
+HFConfig = Mapping[str, Any]
+
+
+class UnsupportedFeature(ValueError):
+    """A model uses a feature kvpool does not implement (the message names the field)."""
+
+
+# Field -> the values kvpool implements, for every architecture (absent counts as allowed).
+_REFUSED: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu",),
+    "mlp_bias": (False,),
+    "attention_bias": (False,),  # Llama/Qwen3/SmolLM3 put it on o_proj too
+    "use_sliding_window": (False,),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "partial_rotary_factor": (1.0,),
+}
+
+
+def config_from_hf(config: HFConfig) -> ModelConfig:
+    """The `ModelConfig` of a HuggingFace `config.json`; `UnsupportedFeature` (a ValueError)
+    naming the field for anything kvpool would compute differently."""
+    model_type = config.get("model_type", "llama")
+    reader = _READERS.get(model_type)
+    if reader is None:
+        raise UnsupportedFeature(f"unsupported architecture {model_type!r} (model_type); "
+                                 f"supported: {sorted(_READERS)}")
+    fields = reader(config)
+    return ModelConfig(architecture=model_type, **fields)
+
+
+def _check_refused(config: HFConfig, allowed: Mapping[str, tuple[Any, ...]] | None = None) -> None:
+    refused = {**_REFUSED, **(allowed or {})}
+    for field, implemented in refused.items():
+        value = config.get(field)
+        if value is not None and value not in implemented:
+            raise UnsupportedFeature(f"{config.get('model_type')}: {field}={value!r} is not "
+                                     f"supported (kvpool implements {list(implemented)})")
+
+
+def _shared_fields(config: HFConfig) -> dict[str, Any]:
+    num_heads = config["num_attention_heads"]
+    rope_theta, rope_scaling = hf_rope(config)
+    return dict(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=as_id_tuple(config.get("eos_token_id")),
+    )
+
+
+def _llama(config: HFConfig) -> dict[str, Any]:
+    _check_refused(config)
+    return _shared_fields(config)
+
+
+def _mistral(config: HFConfig) -> dict[str, Any]:
+    _check_refused(config)
+    fields = _shared_fields(config)
+    if config.get("sliding_window"):
+        # Full attention equals sliding-window attention up to the window length.
+        fields["max_position_embeddings"] = min(fields["max_position_embeddings"],
+                                                config["sliding_window"])
+    return fields
+
+
+def _qwen2(config: HFConfig) -> dict[str, Any]:
+    _check_refused(config, {"attention_bias": (True, False)})  # q/k/v biases, always
+    return {**_shared_fields(config), "attention_bias": True}
+
+
+def _qwen3(config: HFConfig) -> dict[str, Any]:
+    _check_refused(config)
+    return {**_shared_fields(config), "qk_norm": True}
+
+
+def _smollm3(config: HFConfig) -> dict[str, Any]:
+    """SmolLM3: Llama with no positional encoding in the layers `no_rope_layers` marks 0
+    (every fourth by default: transformers derives the list from `no_rope_layer_interval`)."""
+    _check_refused(config)
+    fields = _shared_fields(config)
+    num_layers = fields["num_layers"]
+    interval = config.get("no_rope_layer_interval", 4)
+    uses_rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0)
+                                                 for i in range(num_layers)]
+    rope = RopeSpec(fields["rope_theta"], fields["rope_scaling"], fields["head_dim"])
+    fields["layers"] = tuple(LayerSpec(rope if use else None) for use in uses_rope)
+    return fields
+
+
+_READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "smollm3": _smollm3,
+}
+
+
+def as_id_tuple(value: int | Sequence[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def hf_rope(config: HFConfig) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and rope_scaling from transformers 4.x (`rope_theta` + `rope_scaling`) or
+    5.x (`rope_parameters`) config keys."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = dict(config.get("rope_scaling") or params)
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **scaling}

@@ -1,0 +1,48 @@
+"""What one decoder layer is: its attention span and its positional encoding.
+
+Models no longer repeat one layer `num_layers` times. Gemma 3 alternates five sliding-window
+layers with one full-attention layer, each kind with its own RoPE base; SmolLM3 leaves every
+fourth layer without any positional encoding (NoPE); Qwen3 may window its upper layers. A
+`ModelConfig` therefore carries one `LayerSpec` per layer (`ModelConfig.layer_specs`), built
+by the readers of `config.json` and of GGUF metadata, and the model builds each layer from its
+own spec.
+
+Invariants: `sliding_window` is None (full causal attention) or a positive number of tokens
+(a token attends to itself and the `sliding_window - 1` before it: the attention backends'
+convention, `kvpool.attention.backend`); `rope` is None (no positional encoding) or a
+`RopeSpec` whose `rotary_dim` is even and at most the head size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Rotary embedding of one kind of layer: base, scaling (`config.ROPE_TYPES`), and how
+    many leading dimensions of each head rotate (all of them but for partial rotary)."""
+
+    theta: float
+    scaling: Mapping[str, Any] | None
+    rotary_dim: int
+
+    def __post_init__(self) -> None:
+        if not self.theta > 0:
+            raise ValueError(f"rope theta must be positive, got {self.theta}")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be positive and even, got {self.rotary_dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One decoder layer's attention span and positional encoding."""
+
+    rope: RopeSpec | None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 token, got {self.sliding_window}")

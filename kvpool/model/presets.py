@@ -1,0 +1,45 @@
+"""Named model shapes for dummy weights, tests and benchmarks (`ModelConfig.preset`): the real
+models' `config.json` facts, no weights."""
+
+from __future__ import annotations
+
+from kvpool.model.config import ModelConfig
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "smollm2-135m": ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "llama-2-7b": ModelConfig(
+        architecture="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "llama-3-8b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    ),
+    "llama-3.1-8b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "qwen2-0.5b": ModelConfig(
+        architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        attention_bias=True, bos_token_id=151643, eos_token_ids=(151645, 151643),
+    ),
+}
