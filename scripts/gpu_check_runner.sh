@@ -66,7 +66,7 @@ run_step() {
         limit=$left
     fi
     if ((limit < MIN_STEP_S)); then
-        log "=== $name: skipped, ${left}s of the budget left"
+        log "=== $name: skipped, ${left}s of the budget left (it needs ${MIN_STEP_S}s)"
         record_exit "$name" "" 0 0
         return
     fi
