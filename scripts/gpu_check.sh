@@ -49,19 +49,20 @@ python_step() {
         ${smoke_args[@]+"${smoke_args[@]}"}
 }
 
-# The wheels of what the machine's image lacks, into a fresh folder (never over its own).
+# The wheels of what the machine's image lacks, into a fresh folder (never over its own),
+# removed on exit.
+WHEEL_SITE=
 install_wheels() {
     local wheels=${GPU_CHECK_WHEELS:-.whl}
     if ! compgen -G "$wheels/*.whl" >/dev/null; then
         log "=== wheels: none in $wheels"
         return
     fi
-    local site
-    site=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
+    WHEEL_SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
     run_limited wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --target "$site" "$wheels"/*.whl
+        --no-cache-dir --target "$WHEEL_SITE" "$wheels"/*.whl
     if [[ ${FAILED_STEPS[*]} != *wheels* ]]; then
-        export PYTHONPATH="$PYTHONPATH:$site"
+        export PYTHONPATH="$PYTHONPATH:$WHEEL_SITE"
     fi
 }
 
@@ -108,6 +109,9 @@ finish() {
         --out "$OUTDIR" ${smoke_args[@]+"${smoke_args[@]}"}
     log "gpu_check: done in ${SECONDS}s, ${#FAILED_STEPS[@]} step(s) not ok" \
         "${FAILED_STEPS[*]}; results in $OUTDIR"
+    if [[ -n $WHEEL_SITE ]]; then
+        rm -rf "$WHEEL_SITE"
+    fi
     if [[ ${#FAILED_STEPS[@]} -gt 0 ]]; then
         exit 1
     fi

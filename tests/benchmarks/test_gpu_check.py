@@ -169,3 +169,15 @@ def test_dummy_weights_need_no_gguf_package():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_gpu_wheels_are_pinned_to_the_versions_here():
+    """`make gpu-wheels` carries the versions this checkout is tested with."""
+    import importlib.metadata
+
+    makefile = (REPO / "Makefile").read_text().splitlines()
+    pins = next(line for line in makefile if line.startswith("GPU_WHEELS :=")).split()[2:]
+    assert pins
+    for pin in pins:
+        name, version = pin.split("==")
+        assert importlib.metadata.version(name) == version, pin
