@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.gpu.results import ResultLog, last_value, read_records
@@ -25,7 +25,7 @@ class StepContext:
     out: Path
     smoke: bool
     log: ResultLog
-    num_errors: int = field(default=0)
+    num_errors: int = 0
 
     @property
     def device(self):
