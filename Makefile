@@ -11,7 +11,8 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-test browser redis test test-fast lint demo bench vllm-venv llamacpp-venv clean
+.PHONY: setup setup-test browser redis test test-fast lint demo bench vllm-venv llamacpp-venv \
+	gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -90,5 +91,20 @@ $(LLAMACPP_VENV)/.installed: Makefile
 	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama.cpp', llama_cpp.__version__)"
 	touch $@
 
+# Wheels for the GPU machines (docs/gpu.md, "Running the GPU check"): what the check can use
+# that their image lacks, at the versions .venv has, for CPython 3.12 on x86-64 Linux, into
+# .whl/ (ignored), which the device call carries and scripts/gpu_check.sh installs first. Only
+# gguf (kvpool's declared dependency; the env step reports it): its own needs (numpy, pyyaml,
+# requests, tqdm) are in the image, and nothing the check runs needs xgrammar.
+GPU_WHEELS := gguf==0.19.0
+GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
+	manylinux2014_x86_64
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip --disable-pip-version-check -q download --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl $(GPU_WHEELS)
+	du -sh .whl
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .whl build *.egg-info .pytest_cache .ruff_cache

@@ -8,11 +8,14 @@ and runs `scaled_dot_product_attention` with the query heads of a group folded i
 length (exact GQA with no K/V repetition, the fastest fair use of SDPA for decode).
 
 Bytes counted per call: the K and V of every context token (what the kernel must read at
-least); the query and output are negligible next to them.
+least); the query and output are negligible next to them. Rates are given as a fraction of
+the machine's read bandwidth (a large reduction's, `device_timing.read_bandwidth`): attention
+only reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,9 +24,9 @@ import torch.nn.functional as F
 from benchmarks.device_timing import median_seconds
 from kvpool.memory.kv_layout import KVLayout
 
-FULL_BATCHES = (1, 16, 64, 256)
-FULL_CONTEXTS = (512, 2048, 8192)
-SWEEP_SHAPES = ((64, 2048), (64, 8192))
+FULL_BATCHES = (1, 64, 256)
+FULL_CONTEXTS = (2048, 8192)
+SWEEP_SHAPES = ((64, 8192),)
 SWEEP_CONFIGS = ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3))
 
 
@@ -107,6 +110,7 @@ def triton_decode(case: DecodeCase, scale: float, config=None) -> torch.Tensor:
 
 
 def bench_case(case: DecodeCase, layout: AttentionLayout, bandwidth: float) -> dict:
+    """Both kernels' times on one shape; `bandwidth` is the read bandwidth, bytes/s."""
     from kvpool.attention.triton_decode import choose_num_splits
 
     device = case.query.device
@@ -130,53 +134,50 @@ def bench_case(case: DecodeCase, layout: AttentionLayout, bandwidth: float) -> d
         "sdpa_us": sdpa_s * 1e6,
         "triton_bytes_per_s": kv_bytes / triton_s,
         "sdpa_bytes_per_s": kv_bytes / sdpa_s,
-        "triton_fraction_of_copy_bandwidth": kv_bytes / triton_s / bandwidth,
-        "sdpa_fraction_of_copy_bandwidth": kv_bytes / sdpa_s / bandwidth,
+        "triton_fraction_of_read_bandwidth": kv_bytes / triton_s / bandwidth,
+        "sdpa_fraction_of_read_bandwidth": kv_bytes / sdpa_s / bandwidth,
         "speedup_vs_sdpa": sdpa_s / triton_s,
         "max_abs_diff_vs_sdpa": max_abs_diff,
     }
 
 
-def sweep_configs(case: DecodeCase, layout: AttentionLayout) -> list[dict]:
-    """Kernel time of each tile configuration on one shape (informs `DecodeConfig`'s default)."""
+def sweep_configs(case: DecodeCase, layout: AttentionLayout) -> Iterator[dict]:
+    """Kernel time of each tile configuration on one shape (informs `DecodeConfig`'s default),
+    yielded as each is measured."""
     from kvpool.attention.triton_decode import DecodeConfig
 
     scale = layout.kv.head_dim**-0.5
-    rows = []
     for block_n, num_warps, num_stages in SWEEP_CONFIGS:
         config = DecodeConfig(block_n, num_warps, num_stages)
         seconds = median_seconds(lambda c=config: triton_decode(case, scale, c), case.query.device)
         shape = {"batch": case.query.shape[0], "context": case.context}
-        rows.append({**asdict(config), **shape, "triton_us": seconds * 1e6})
-    return rows
+        yield {**asdict(config), **shape, "triton_us": seconds * 1e6}
 
 
-def run(
+def measure(
     device: torch.device,
     bandwidth: float,
     batches: tuple[int, ...] = FULL_BATCHES,
     contexts: tuple[int, ...] = FULL_CONTEXTS,
     sweep_shapes: tuple[tuple[int, int], ...] = SWEEP_SHAPES,
     layout: AttentionLayout | None = None,
-) -> dict:
-    """Every (batch, context) shape, then the tile sweep; one cache serves all shapes."""
+) -> Iterator[tuple[str, dict]]:
+    """("shape", result) for every (batch, context), then ("tile_config", row) for the tile
+    sweep, each yielded as soon as it is measured; one cache serves all shapes."""
     layout = layout or AttentionLayout()
     kv = layout.kv
     max_blocks = max(b * kv.num_blocks_for_tokens(c) for b in batches for c in contexts)
     shape = kv.tensor_shape(max_blocks)  # one layer: [max_blocks, 1, 2, block_size, Hkv, D]
     kv_cache_layer = torch.randn(shape, dtype=layout.dtype, device=device)[:, 0]
-    results, sweep = [], []
     for seed, (batch, context) in enumerate((b, c) for b in batches for c in contexts):
-        case = make_case(kv_cache_layer, batch, context, layout, seed)
-        results.append(bench_case(case, layout, bandwidth))
-        if (batch, context) in sweep_shapes:
-            sweep.extend(sweep_configs(case, layout))
-        del case
-    layout_json = {"num_heads": layout.num_heads, "num_kv_heads": kv.num_kv_heads,
-                   "head_dim": kv.head_dim, "block_size": kv.block_size, "dtype": kv.dtype}
-    return {
-        "layout": layout_json,
-        "copy_bytes_per_s": bandwidth,
-        "shapes": results,
-        "config_sweep": sweep,
-    }
+        yield "shape", bench_case(make_case(kv_cache_layer, batch, context, layout, seed),
+                                  layout, bandwidth)
+    for seed, (batch, context) in enumerate(sweep_shapes):
+        for row in sweep_configs(make_case(kv_cache_layer, batch, context, layout, seed), layout):
+            yield "tile_config", row
+
+
+def layout_facts(layout: AttentionLayout) -> dict:
+    kv = layout.kv
+    return {"num_heads": layout.num_heads, "num_kv_heads": kv.num_kv_heads,
+            "head_dim": kv.head_dim, "block_size": kv.block_size, "dtype": kv.dtype}

@@ -1,4 +1,5 @@
-"""End-to-end generation benchmark: kvpool's engine and transformers `generate`, same weights.
+"""End-to-end generation, kvpool's engine and transformers `generate` on the same weights: the
+parts the GPU check's `engine` and `hf` steps (`benchmarks/gpu/`) are built from.
 
 The workload is fixed: `batch` prompts of `prompt_len` random token ids (distinct, so no prefix
 hits), each generating exactly `output_len` tokens greedily (EOS ignored). Weights are the dummy
@@ -6,19 +7,17 @@ loader's (seeded), so both sides run bit-identical parameters without any file o
 
 Decode-step bound: a decode step must read every weight once (the token-embedding table only
 for the batch's rows, unless tied to the LM head) plus the K/V of every context token, so
-`(weight_bytes + kv_bytes_per_step) / copy_bandwidth` is the fastest it can be.
+`(weight_bytes + kv_bytes_per_step) / read_bandwidth` is the fastest it can be.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from benchmarks.device_timing import synchronize
-from kvpool.bench.roofline import weight_bytes_read_per_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +30,9 @@ class Workload:
     seed: int = 0
 
 
-def random_prompts(workload: Workload, vocab_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(workload.seed)
+def random_prompts(workload: Workload, vocab_size: int, offset: int = 0) -> list[list[int]]:
+    """The workload's prompts; another `offset` gives other prompts of the same shape."""
+    generator = torch.Generator().manual_seed(workload.seed + offset)
     shape = (workload.batch, workload.prompt_len)
     return torch.randint(1, vocab_size, shape, generator=generator).tolist()
 
@@ -50,53 +50,14 @@ def decode_bound(model_config, weight_bytes: int, workload: Workload, bandwidth:
     }
 
 
-def run_engine(
-    workload: Workload, device: torch.device, attention_backend: str, bandwidth: float
-) -> dict:
-    """Generate through `LLMEngine.step()`, timing every step; then a short seeded, sampled
-    run (temperature, top-k/top-p, penalties) on the same engine and device."""
-    from kvpool import LLM
-
-    start = time.perf_counter()
-    llm = LLM(
-        model=workload.preset,
-        load_format="dummy",
-        dtype=workload.dtype,
-        device=str(device),
-        attention_backend=attention_backend,
-        seed=workload.seed,
-        max_num_batched_tokens=4096,
-        kv_cache_memory=_kv_cache_budget(device),
-    )
-    load_s = time.perf_counter() - start
-    engine = llm.engine
-    model, config = engine.runner.model, engine.model_config
-    timing = _timed_greedy_run(engine, workload, device)
-    # A pure decode step advances every request by one token.
-    decode_steps = [s for s, n in timing.pop("steps") if n == workload.batch]
-    weight_bytes = weight_bytes_read_per_step(config, model.dtype)
-    bound = decode_bound(config, weight_bytes, workload, bandwidth)
-    decode_ms = statistics.median(decode_steps) * 1e3 if decode_steps else None
-    return {
-        "workload": asdict(workload),
-        "attention_backend": model.attention_backend.name,
-        "load_s": load_s,
-        **timing,
-        "output_tok_per_s": workload.batch * workload.output_len / timing["total_s"],
-        "num_decode_steps": len(decode_steps),
-        "decode_step_ms": decode_ms,
-        **bound,
-        "decode_step_over_bound": decode_ms / bound["bound_ms"] if decode_ms else None,
-        "sampled": sampled_decoding_check(llm, workload),
-    }
-
-
-def _timed_greedy_run(engine, workload: Workload, device: torch.device) -> dict:
+def timed_greedy_run(engine, prompts: list[list[int]], output_len: int, device) -> dict:
+    """Generate `output_len` greedy tokens (EOS ignored) for every prompt through
+    `LLMEngine.step()`, timing each step: `steps` holds (seconds, number of outputs)."""
     from kvpool import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     first_id = None
-    for prompt in random_prompts(workload, engine.model_config.vocab_size):
+    for prompt in prompts:
         request = engine.add_request({"prompt_token_ids": prompt}, params)
         first_id = first_id or request.request_id
     steps, first_tokens = [], []
@@ -138,12 +99,6 @@ def sampled_decoding_check(llm, workload: Workload, num_prompts: int = 4) -> dic
             "reproducible": first == second, "passed": is_valid and first == second}
 
 
-def _kv_cache_budget(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1 << 28
-    return 32 << 30  # 32 GiB: room for 256 sequences of 1k tokens of an 8B model
-
-
 def hf_llama_config(model_config):
     """The transformers `LlamaConfig` of a kvpool `ModelConfig` (plain RoPE only)."""
     from transformers import LlamaConfig
@@ -165,12 +120,6 @@ def hf_llama_config(model_config):
         bos_token_id=model_config.bos_token_id,
         eos_token_id=list(model_config.eos_token_ids),
         pad_token_id=0,
-    )
-
-
-def load_hf_model(workload: Workload, device: torch.device) -> torch.nn.Module:
-    return load_dummy_hf_model(
-        workload.preset, getattr(torch, workload.dtype), workload.seed, device
     )
 
 
@@ -196,13 +145,9 @@ def load_dummy_hf_model(
     return model.eval()
 
 
-def run_transformers(workload: Workload, device: torch.device) -> dict:
-    """The same workload through `generate`: full run, and a prefill-only run to split off
-    the prefill time."""
-    start = time.perf_counter()
-    model = load_hf_model(workload, device)
-    load_s = time.perf_counter() - start
-    prompts = random_prompts(workload, model.config.vocab_size)
+def hf_generate_run(model, prompts: list[list[int]], output_len: int, device) -> dict:
+    """`generate` on a batch of equal-length prompts: a prefill-only run (one token) and the
+    full run, so that `decode_step_ms` = (full - prefill-only) / (output_len - 1)."""
     input_ids = torch.tensor(prompts, device=device)
 
     def generate(num_tokens: int) -> tuple[float, torch.Tensor]:
@@ -219,18 +164,12 @@ def run_transformers(workload: Workload, device: torch.device) -> dict:
         synchronize(device)
         return time.perf_counter() - begin, output
 
-    generate(2)  # warm-up
     prefill_s, _ = generate(1)
-    total_s, output = generate(workload.output_len)
-    decode_ms = (total_s - prefill_s) / max(1, workload.output_len - 1) * 1e3
+    total_s, output = generate(output_len)
     return {
-        "workload": asdict(workload),
-        "transformers_version": __import__("transformers").__version__,
-        "attn_implementation": model.config._attn_implementation,
-        "load_s": load_s,
         "total_s": total_s,
         "prefill_s": prefill_s,
-        "output_tok_per_s": workload.batch * workload.output_len / total_s,
-        "decode_step_ms": decode_ms,
-        "first_request_token_ids": output[0, workload.prompt_len :].tolist(),
+        "output_tok_per_s": len(prompts) * output_len / total_s,
+        "decode_step_ms": (total_s - prefill_s) / max(1, output_len - 1) * 1e3,
+        "first_request_token_ids": output[0, input_ids.shape[1] :].tolist(),
     }
