@@ -9,7 +9,7 @@
 # are installed first into a fresh folder put on PYTHONPATH. Steps, in order, each in its own
 # process under its own limit (seconds), each one's failure logged and skipped past:
 #   env        25  versions, device; read and copy bandwidth, bf16 matmul rate
-#   tests     110  the kernel, KV-transfer and KV-quantization tests    -> gpu_tests.xml
+#   tests     110  kernels, variants, CUDA graphs, KV transfer, quant, pinned -> gpu_tests.xml
 #   e2e        60  greedy tokens on the GPU vs the CPU, same CPU-drawn weights
 #   attention  55  decode kernel vs SDPA, fraction of the read bandwidth
 #   engine     85  kvpool on a dummy Llama-3-8B, bf16, batch 1/32/64/256
@@ -66,16 +66,18 @@ install_wheels() {
     fi
 }
 
-# The kernel tests against the torch reference (float, int8, fp8; GQA; block sizes), the KV
-# tiers' copies and the quantized-KV reference; a smoke run only the last (the kernels run in
+# The kernel tests against the torch reference (float, int8, fp8; GQA; block sizes), no kernel
+# variant compiled after the warm-up, decode CUDA graphs against eager, the KV tiers' copies,
+# the quantized-KV reference and the exactly sized pinned host memory; a smoke run only the last (the kernels run in
 # Triton's interpreter in CI's own test run).
 tests_step() {
     local args=(-m pytest -q -p no:cacheprovider --junitxml="$OUTDIR/gpu_tests.xml")
     if [[ ${#smoke_args[@]} -gt 0 ]]; then
         args+=(tests/memory/test_kv_quant.py)
     else
-        args+=(tests/attention/test_triton_kernels.py tests/memory/test_kv_transfer.py
-               tests/memory/test_kv_quant.py)
+        args+=(tests/attention/test_triton_kernels.py tests/attention/test_triton_variants.py
+               tests/engine/test_decode_graphs.py tests/memory/test_kv_transfer.py
+               tests/memory/test_kv_quant.py tests/memory/test_pinned.py)
         if "$PYTHON" -c "import xdist" 2>/dev/null; then
             args+=(-n 12)  # kernel compilation dominates: spread it over the CPU cores
         fi

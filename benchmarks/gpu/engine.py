@@ -4,8 +4,10 @@ against the bandwidth bound.
 One engine serves every batch (1, 32, 64, 256): for each, a first untimed pass over prompts of
 the same shapes (so Triton compiles and cuBLAS picks its kernels before anything is timed; other
 prompts, so the timed pass gets no prefix-cache hits), then the timed pass. Each batch's record
-is written as soon as it is measured. Then a seeded, sampled run checks that sampling works on
-the device (`sampled`).
+is written as soon as it is measured. At batch 1 and 64 the same engine is timed again with its
+decode CUDA graphs bypassed (`eager`: the steps `enforce_eager=True` runs), so the graphs'
+gain is measured on one card, one set of weights. Then a seeded, sampled run checks that
+sampling works on the device (`sampled`).
 
 Per batch: `output_tok_per_s` = batch × output_len / wall time of the whole pass (prefill
 included); `decode_step_ms` = median wall time of the steps in which every request gained a
@@ -14,15 +16,19 @@ token; `bound_ms` = (weight bytes + mean K/V bytes of a step) / the env step's r
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import asdict, replace
 
 from benchmarks.generation import Workload
 from benchmarks.gpu.step import StepContext
+from kvpool.engine.decode_graphs.runner import DecodeGraphRunner
+from kvpool.engine.model_runner import ModelRunner
 
 FULL = Workload(preset="llama-3-8b", batch=1, prompt_len=256, output_len=32, dtype="bfloat16")
 FULL_BATCHES = (1, 32, 64, 256)
+EAGER_BATCHES = (1, 64)  # also timed with the decode CUDA graphs bypassed
 SMOKE = Workload(preset="tiny", batch=1, prompt_len=20, output_len=6, dtype="float32")
 SMOKE_BATCHES = (1, 3)
 FULL_KV_CACHE_BYTES = 32 << 30  # 256 sequences of 288 tokens need 9.7 GB in bf16
@@ -40,6 +46,9 @@ def run(ctx: StepContext, attention_backend: str = "auto") -> None:
         workload = replace(base, batch=batch)
         ctx.attempt("batch", lambda w=workload: measure(llm.engine, w, ctx.device, bandwidth),
                     **asdict(workload))
+        if batch in EAGER_BATCHES and isinstance(llm.engine.runner, DecodeGraphRunner):
+            ctx.attempt("eager", lambda w=workload: measure_eager(llm.engine, w, ctx.device,
+                                                                  bandwidth), **asdict(workload))
     from benchmarks.generation import sampled_decoding_check
 
     ctx.attempt("sampled", lambda: sampled_decoding_check(llm, replace(base, batch=4)))
@@ -55,6 +64,17 @@ def build_llm(ctx: StepContext, workload: Workload, attention_backend: str):
                device=str(ctx.device), attention_backend=attention_backend,
                seed=workload.seed, max_num_batched_tokens=8192,
                kv_cache_memory=SMOKE_KV_CACHE_BYTES if ctx.smoke else FULL_KV_CACHE_BYTES)
+
+
+def measure_eager(engine, workload: Workload, device, bandwidth: float) -> dict:
+    """`measure` with the engine's decode CUDA graphs bypassed: every step runs the plain
+    `ModelRunner` path (what `enforce_eager=True` runs), on the same engine and weights."""
+    runner = engine.runner
+    runner.run_step = functools.partial(ModelRunner.run_step, runner)  # instance attribute
+    try:
+        return measure(engine, workload, device, bandwidth)
+    finally:
+        del runner.run_step
 
 
 def measure(engine, workload: Workload, device, bandwidth: float) -> dict:
