@@ -179,7 +179,8 @@ _GGUF_PARTS = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 _GGUF_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -196,9 +197,9 @@ def _gguf_name(hf_name: str) -> str:
 
 def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
                sampling: dict | None = None) -> None:
-    """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama), matrices in `qtype`;
-    round `hf_model`'s own weights the same way so it stays the exact reference. `sampling`:
-    `general.sampling.<key>` values (e.g. {"temp": 0.6})."""
+    """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama and smollm3), matrices
+    in `qtype`; round `hf_model`'s own weights the same way so it stays the exact reference.
+    `sampling`: `general.sampling.<key>` values (e.g. {"temp": 0.6})."""
     import gguf
 
     config = hf_model.config
@@ -211,6 +212,9 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
@@ -224,7 +228,7 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
         num_heads = next((n for part, n in heads.items() if f".{part}." in hf_name), None)
         stored = param.numpy()
-        if arch == "llama" and num_heads is not None:
+        if arch in ("llama", "smollm3") and num_heads is not None:  # llama.cpp's Llama order
             stored = llama_cpp_permute(stored, num_heads)
         if stored.ndim == 2:
             writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(stored, qtype),

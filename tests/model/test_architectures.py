@@ -1,0 +1,159 @@
+"""Each architecture against transformers, float32, on a tiny random-weight checkpoint that
+keeps its distinctive features: step logits through the paged cache, greedy generations
+(batched and chunked against one at a time), prompt logprobs, and the GGUF file llama.cpp's
+converter would write. Refusals name the feature a model uses that kvpool lacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from kvpool.model.hf_config import UnsupportedFeature, config_from_hf
+from kvpool.model.loaders import load_model
+from tests.model.test_loaders import kvpool_step_logits, write_gguf
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+
+def tiny_hf_config(kind: str):
+    """A shrunk config of `kind` that keeps what sets it apart."""
+    import transformers
+
+    if kind == "qwen3":  # QK-norm; head_dim 24, not hidden / heads = 16
+        return transformers.Qwen3Config(**SHAPE, num_hidden_layers=2, head_dim=24,
+                                        tie_word_embeddings=False)
+    if kind == "smollm3":  # no RoPE in every fourth layer (layer 3 of 4); tied embeddings
+        return transformers.SmolLM3Config(**SHAPE, num_hidden_layers=4, pad_token_id=None,
+                                          bos_token_id=None, eos_token_id=None)
+    raise ValueError(kind)
+
+
+ARCHITECTURES = ["qwen3", "smollm3"]
+
+
+def save_tiny(directory: Path, kind: str):
+    """The transformers model, with weights large enough that logits are far from ties."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    return model
+
+
+def hf_logits_at(model, token_ids: list[int], rows: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([token_ids])).logits[0, rows]
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def checkpoint(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    return request.param, directory, save_tiny(directory, request.param)
+
+
+def test_the_config_keeps_the_architectures_features(checkpoint):
+    kind, directory, _ = checkpoint
+    config = load_model(directory).config
+    assert config.architecture == kind
+    if kind == "qwen3":
+        assert config.qk_norm and config.head_dim == 24 and not config.tie_word_embeddings
+    if kind == "smollm3":
+        assert [layer.rope is None for layer in config.layer_specs] == [False, False, False, True]
+        assert config.tie_word_embeddings
+
+
+def test_step_logits_through_the_paged_cache_equal_transformers(checkpoint):
+    _kind, directory, hf_model = checkpoint
+    loaded = load_model(directory)
+    token_ids = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+    split = [30, 38, *range(39, 45)]  # prefill 30, continue with 8, then decode one by one
+    ours = kvpool_step_logits(loaded, token_ids, split)
+    reference = hf_logits_at(hf_model, token_ids, [end - 1 for end in [*split, 45]])
+    assert reference.abs().max() > 1.0  # the check is not vacuous
+    torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
+
+
+def greedy_hf(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation, one full forward per token (no KV cache: the plain
+    model is the reference; `generate` in transformers 5.25 diverged from it here)."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(int(hf_logits_at(model, tokens, [len(tokens) - 1])[0].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_greedy_generations_batched_and_chunked_equal_transformers(checkpoint):
+    from kvpool import LLM, SamplingParams
+
+    _kind, directory, hf_model = checkpoint
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 37, 90)]
+    prompts.append([*prompts[1][:20], 7, 8])  # shares a prefix with another prompt
+    llm = LLM(model=str(directory), dtype="float32", max_num_batched_tokens=32, block_size=8,
+              kv_cache_memory=1 << 24)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = [greedy_hf(hf_model, p, 12) for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in batched] == expected
+
+
+def test_prompt_logprobs_equal_transformers(checkpoint):
+    from kvpool import LLM, SamplingParams
+
+    _kind, directory, hf_model = checkpoint
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    llm = LLM(model=str(directory), dtype="float32", max_num_batched_tokens=16,
+              kv_cache_memory=1 << 24)
+    output = llm.generate([{"prompt_token_ids": prompt}],
+                          SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    reference = torch.log_softmax(hf_logits_at(hf_model, prompt, list(range(39))), dim=-1)
+    ours = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:],
+                                                          strict=True)]
+    expected = reference[torch.arange(39), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(torch.tensor(ours), expected, atol=1e-4, rtol=0)
+
+
+def test_the_gguf_file_matches_transformers(checkpoint, tmp_path):
+    kind, directory, _ = checkpoint
+    hf_model = save_tiny(tmp_path / "hf", kind)  # write_gguf rounds this copy's weights
+    path = tmp_path / f"tiny-{kind}.gguf"
+    with torch.no_grad():
+        write_gguf(path, hf_model, arch=kind, qtype=GGMLQuantizationType.F16)
+    loaded = load_model(path)
+    assert loaded.config.layer_specs == load_model(directory).config.layer_specs
+    token_ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    split = [12, 17, 18, 19]
+    ours = kvpool_step_logits(loaded, token_ids, split)
+    reference = hf_logits_at(hf_model, token_ids, [end - 1 for end in [*split, 20]])
+    torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "field", "value"), [
+    ("qwen3", "use_sliding_window", True),
+    ("qwen3", "attention_bias", True),
+    ("smollm3", "mlp_bias", True),
+    ("llama", "hidden_act", "gelu"),
+])
+def test_a_feature_kvpool_lacks_is_refused_by_name(kind, field, value):
+    import transformers
+
+    config = {"qwen3": transformers.Qwen3Config, "smollm3": transformers.SmolLM3Config,
+              "llama": transformers.LlamaConfig}[kind](**SHAPE, num_hidden_layers=2)
+    with pytest.raises(UnsupportedFeature, match=f"{field}={value!r} is not supported"):
+        config_from_hf({**config.to_dict(), field: value})
+
+
+def test_an_unknown_architecture_is_refused_by_name():
+    with pytest.raises(UnsupportedFeature, match="unsupported architecture 'gemma2'"):
+        config_from_hf({"model_type": "gemma2"})
