@@ -1,9 +1,17 @@
 """Named model shapes for dummy weights, tests and benchmarks (`ModelConfig.preset`): the real
-models' `config.json` facts, no weights."""
+models' `config.json` facts, no weights.
+
+The newer presets are written as the model's own `config.json` fields and read by the same
+reader as a downloaded model (`kvpool.model.hf_config`), so per-layer facts (SmolLM3's NoPE
+layers) come from one place.
+"""
 
 from __future__ import annotations
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.hf_config import config_from_hf
+
+_LLAMA_3_VOCAB = dict(vocab_size=128256, bos_token_id=128000)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -42,4 +50,31 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
         attention_bias=True, bos_token_id=151643, eos_token_ids=(151645, 151643),
     ),
+    "llama-3.2-1b": config_from_hf(dict(
+        model_type="llama", **_LLAMA_3_VOCAB, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
+        eos_token_id=[128001, 128008, 128009],
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    )),
+    "qwen3-0.6b": config_from_hf(dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=[151645, 151643],
+    )),
+    "qwen3-4b": config_from_hf(dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=[151645, 151643],
+    )),
+    "smollm3-3b": config_from_hf(dict(
+        model_type="smollm3", **_LLAMA_3_VOCAB, hidden_size=2048, intermediate_size=11008,
+        num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+        rms_norm_eps=1e-6, rope_theta=5000000.0, max_position_embeddings=65536,
+        tie_word_embeddings=True, eos_token_id=128012, no_rope_layer_interval=4,
+    )),
 }

@@ -32,7 +32,7 @@ _TILED_DTYPE = torch.bfloat16  # repeated blocks are written at half the bytes o
 
 
 def _is_norm(name: str) -> bool:
-    return name == "norm.weight" or name.endswith("layernorm.weight")
+    return name.endswith("norm.weight")  # every RMSNorm: final, per layer, per head (QK-norm)
 
 
 class DummyLoader:

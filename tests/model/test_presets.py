@@ -1,0 +1,38 @@
+"""The real-shape presets of the newer architectures: each loads with dummy weights in bf16,
+runs a step through the paged cache, and holds no more memory than its weights."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+
+from kvpool.model.llama import checkpoint_shapes
+from kvpool.model.loaders import load_model
+from kvpool.model.presets import PRESETS
+from tests.model.test_loaders import kvpool_step_logits
+
+NEW_PRESETS = ["llama-3.2-1b", "qwen3-0.6b", "qwen3-4b", "smollm3-3b"]
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("name", NEW_PRESETS)
+def test_a_real_shape_preset_loads_and_steps_within_its_weights_memory(name):
+    config = PRESETS[name]
+    weight_bytes = 2 * sum(math.prod(shape) for shape in checkpoint_shapes(config).values())
+    gc.collect()
+    before = resident_bytes()
+    loaded = load_model(name, "dummy", dtype="bfloat16")
+    logits = kvpool_step_logits(loaded, list(range(1, 14)), split=[9])
+    assert logits.shape == (2, config.vocab_size) and torch.isfinite(logits).all()
+    # Weights, the model's small buffers (RoPE tables) and the step's activations; no fp32
+    # copy of a matrix left behind.
+    assert resident_bytes() - before < weight_bytes + (1 << 30)
+    assert loaded.model.embed_tokens.dtype == torch.bfloat16
