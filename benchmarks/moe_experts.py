@@ -3,9 +3,9 @@
     python -m benchmarks.moe_experts [--threads N] [--repeats R]
 
 A Qwen3-30B-A3B-shaped layer (hidden 2048, 128 experts, top-8, moe_intermediate 768; random
-weights: 2.4 GB in float32, 1.2 GB in bfloat16), random routing, decode batches (1-32 tokens) and a 512-token
-prefill, in float32 and bfloat16. Each variant computes the same `experts_forward` (the routing
-is done once, outside the timing):
+weights: 2.4 GB in float32, 1.2 GB in bfloat16), random routing, decode batches (1-32 tokens)
+and a 512-token prefill, in float32 and bfloat16. Each variant computes the same
+`experts_forward` (the routing is done once, outside the timing):
 
     loop         a Python loop over the experts with pairs, F.linear on each run (one host read)
     grouped_mm   torch._grouped_mm over all runs, offsets on the device (no host read)
