@@ -11,6 +11,7 @@ and a 512-token prefill, in float32 and bfloat16. Each variant computes the same
     grouped_mm   torch._grouped_mm over all runs, offsets on the device (no host read)
     bmm_padded   every expert's run padded to the longest, one torch.bmm over all experts
                  (one host read for the longest run)
+    routing      (not a variant: what precedes them all) router matmul, softmax, top-k, grouping
 
 Prints one JSON line per measurement (the least and the median milliseconds of `--repeats`
 runs, interleaved) and a table of the least (the machine is shared: the least is the least
@@ -29,6 +30,7 @@ import time
 import torch
 
 from kvpool.kernels import fused
+from kvpool.model.moe import route
 from kvpool.model.moe_experts import ExpertGroups, experts_forward, group_by_expert
 
 HIDDEN, NUM_EXPERTS, TOP_K, INTERMEDIATE = 2048, 128, 8, 768
@@ -50,6 +52,12 @@ def bmm_padded(x: torch.Tensor, groups: ExpertGroups, w_gate_up: torch.Tensor,
     out = torch.zeros(x.shape, dtype=torch.float32)
     out.index_add_(0, groups.token_ids, ys * groups.weights.unsqueeze(1))
     return out.to(x.dtype)
+
+
+def routing(x: torch.Tensor, router: torch.Tensor) -> ExpertGroups:
+    """What runs ahead of the experts: router matmul, softmax, top-k, grouping."""
+    weights, expert_ids = route(x @ router.T, TOP_K, norm_topk_prob=True)
+    return group_by_expert(expert_ids, weights, NUM_EXPERTS)
 
 
 VARIANTS = {
@@ -85,6 +93,7 @@ def main() -> None:
     for dtype in (getattr(torch, name) for name in args.dtypes):
         w_gate_up = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN) * 0.02).to(dtype)
         w_down = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE) * 0.02).to(dtype)
+        router = (torch.randn(NUM_EXPERTS, HIDDEN) * 0.02).to(dtype)
         for num_tokens in BATCHES:
             x = torch.randn(num_tokens, HIDDEN).to(dtype)
             scores = torch.rand(num_tokens, NUM_EXPERTS)
@@ -96,19 +105,22 @@ def main() -> None:
             reference = calls["loop"]().float()
             diffs = {name: float((call().float() - reference).abs().max())
                      for name, call in calls.items()}
+            calls["routing"] = functools.partial(routing, x, router)
+            diffs["routing"] = 0.0
             for name, times in time_round_robin(calls, args.repeats).items():
                 row = {"dtype": str(dtype).removeprefix("torch."), "num_tokens": num_tokens,
                        "variant": name, "min_ms": round(min(times), 2),
                        "median_ms": round(statistics.median(times), 2), "max_diff": diffs[name]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'dtype':9} {'tokens':>6}  " + "  ".join(f"{n:>11}" for n in VARIANTS))
+    columns = [*VARIANTS, "routing"]
+    print(f"\n{'dtype':9} {'tokens':>6}  " + "  ".join(f"{n:>11}" for n in columns))
     for dtype in args.dtypes:
         for num_tokens in BATCHES:
             cells = {r["variant"]: r["min_ms"] for r in rows
                      if r["dtype"] == dtype and r["num_tokens"] == num_tokens}
             print(f"{dtype:9} {num_tokens:>6}  "
-                  + "  ".join(f"{cells.get(n, float('nan')):>11.2f}" for n in VARIANTS))
+                  + "  ".join(f"{cells.get(n, float('nan')):>11.2f}" for n in columns))
 
 
 if __name__ == "__main__":

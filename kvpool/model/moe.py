@@ -182,6 +182,8 @@ class SparseMoE(nn.Module):
                            ) -> dict[str, torch.Tensor]:
         """Checkpoint name (relative to the decoder layer) -> the view of the parameter it
         fills: this rank's slice, which `shard_slice` says how to cut from the full tensor."""
+        if layout not in ("per_expert", "fused", "stacked"):
+            raise ValueError(f"unknown MoE checkpoint layout {layout!r}")
         if layout == "fused" and self.tp.is_parallel:
             raise ValueError("the fused gate_up_proj layout loads at tensor_parallel_size 1 only "
                              "(a rank's gate and up rows are two ranges of it)")
@@ -213,7 +215,7 @@ def checkpoint_slices(config: MoEConfig, tp: TensorParallel,
     """Every checkpoint name of `layout` (relative to the decoder layer) -> the (dimension,
     range) of the full tensor `tp`'s rank needs, or None where it needs all of it (the
     router; everything at tp=1). No memory is used: the shapes come from meta modules."""
-    return dict(_slices(config, tp, layout))
+    return dict(_slices(config, tp.rank, tp.size, layout))
 
 
 def shard_slice(config: MoEConfig, tp: TensorParallel, name: str) -> ShardSlice:
@@ -224,17 +226,19 @@ def shard_slice(config: MoEConfig, tp: TensorParallel, name: str) -> ShardSlice:
     if name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
         checkpoint_slices(config, tp, "fused")  # raises: a rank's rows are two ranges
     for layout in ("per_expert", "stacked"):
-        slices = _slices(config, tp, layout)
+        slices = _slices(config, tp.rank, tp.size, layout)
         if name in slices:
             return slices[name]
     return None
 
 
 @functools.cache
-def _slices(config: MoEConfig, tp: TensorParallel,
+def _slices(config: MoEConfig, rank: int, size: int,
             layout: CheckpointLayout) -> dict[str, ShardSlice]:
     """The sliced dimension of each tensor is the one where the rank's shape differs from the
-    full shape: only the intermediate dimension is ever split."""
+    full shape: only the intermediate dimension is ever split. (Cached by rank and size: a
+    `TensorParallel`'s process group need not be hashable.)"""
+    tp = TensorParallel(rank, size)
     full = SparseMoE(config, torch.float32, "meta").checkpoint_tensors(layout)
     local = SparseMoE(config, torch.float32, "meta", tp).checkpoint_tensors(layout)
     part = tp.shard(config.moe_intermediate_size)

@@ -233,8 +233,11 @@ def test_shard_slices_cut_the_intermediate_dimension():
     assert stacked["mlp.experts.up_proj.weight"] == (1, slice(8, 16))
     assert stacked["mlp.experts.down_proj.weight"] == (2, slice(8, 16))
     assert all(spec is None for spec in checkpoint_slices(config, TensorParallel()).values())
+    assert shard_slice(config, tp, "mlp.experts.5.w9.weight") is None  # load_weights rejects
     with pytest.raises(ValueError, match="fused"):
         shard_slice(config, tp, "mlp.experts.gate_up_proj")
+    with pytest.raises(ValueError, match="layout"):
+        SparseMoE(config, torch.float32, "meta").checkpoint_tensors("per_layer")
 
 
 def test_tensor_parallel_refuses_an_indivisible_intermediate_size():
