@@ -31,6 +31,7 @@ from kvpool.model.moe import (
 )
 from kvpool.model.moe_experts import group_by_expert
 from kvpool.model.parallel import TensorParallel, take_slice
+from tests.host_reads import HostReads
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS = 32, 16, 8
 GROUPED_PATHS = [True, False] if moe_experts.has_grouped_mm(torch.empty(0)) else [False]
@@ -194,6 +195,16 @@ def test_all_tokens_to_one_expert(grouped_path):
     expert_3 = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ module.w_down[3].T
     assert (module(x) - expert_3).abs().max() <= 1e-5
     assert (module(x) - reference(block, x)).abs().max() <= 1e-5
+
+
+def test_host_reads_per_layer(grouped_path):
+    """grouped_mm reads nothing back to the host; the loop reads the run offsets once."""
+    block, config = hf_block("qwen3_moe", top_k=4)
+    module = load(SparseMoE(config, torch.float32, "cpu"), checkpoint_from(block, "fused", None))
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(6))
+    with HostReads() as reads:
+        module(x)
+    assert reads.total == (0 if grouped_path else 1)
 
 
 def test_empty_batch(grouped_path):
