@@ -35,13 +35,29 @@ def dense_attention(query, keys, values, scale, sliding_window=None):
     keys = keys.float().repeat_interleave(group_size, dim=1)
     values = values.float().repeat_interleave(group_size, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
-    query_positions = torch.arange(seq_len - query_len, seq_len)[:, None]
-    key_positions = torch.arange(seq_len)[None, :]
-    is_hidden = key_positions > query_positions
-    if sliding_window is not None:
-        is_hidden |= key_positions <= query_positions - sliding_window
-    scores = scores.masked_fill(is_hidden, float("-inf"))
+    is_visible = visible_keys(torch.arange(seq_len - query_len, seq_len), seq_len, sliding_window)
+    scores = scores.masked_fill(~is_visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def visible_keys(query_positions, seq_len, sliding_window=None):
+    """[len(query_positions), seq_len] bool: which keys each query position attends to."""
+    query_positions, key_positions = query_positions[:, None], torch.arange(seq_len)[None, :]
+    is_visible = key_positions <= query_positions
+    if sliding_window is not None:
+        is_visible &= key_positions > query_positions - sliding_window
+    return is_visible
+
+
+@pytest.mark.parametrize("sliding_window", [1, 3, 8])
+def test_the_window_is_the_one_transformers_applies(sliding_window):
+    # The lead's model tests compare tokens with transformers (Mistral, Gemma 2 / 3), so the
+    # reference's window must be transformers' mask exactly, not off by one.
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    mask_function = masking_utils.sliding_window_causal_mask_function(sliding_window)
+    positions = torch.arange(12)
+    expected = mask_function(0, 0, positions[:, None], positions[None, :])
+    assert torch.equal(visible_keys(positions, 12, sliding_window), expected)
 
 
 def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch",
