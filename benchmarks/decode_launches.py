@@ -57,12 +57,13 @@ class LaunchPlanBackend:
         self.num_launches = 0
 
     def forward(self, query, key, value, kv_cache_layer, metadata: AttentionMetadata, scale,
-                kv_scales=None):
+                kv_scales=None, sliding_window=None):
         self.num_launches += 1  # write_kv
         num_decode = metadata.num_decode_seqs
         if num_decode:
             num_splits = choose_num_splits(num_decode, kv_cache_layer.shape[3],
-                                           metadata.max_decode_seq_len, self.num_sms)
+                                           metadata.max_decode_seq_len, self.num_sms,
+                                           sliding_window=sliding_window)
             self.num_launches += 1 + (num_splits > 1)  # decode, and its reduction
         if num_decode < metadata.num_seqs:
             self.num_launches += 1  # prefill

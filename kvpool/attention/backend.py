@@ -15,6 +15,14 @@ codes, and `kv_scales` is the layer's view of the scale pool, `[num_blocks, 2, b
 num_kv_heads]` float32 (one scale per token and KV head, K and V apart). A backend quantizes
 as it writes and dequantizes as it reads (`row = code * scale`); `kv_scales` is None for a
 float cache.
+
+Sliding-window attention (Mistral, Gemma 2 / 3 sliding layers): `sliding_window=W` limits each
+new token to the W most recent positions, itself included. The token at absolute position p
+attends to key position k exactly when `p - W < k <= p`, which is transformers' convention
+(`masking_utils.sliding_window_overlay`: `kv_idx > q_idx - sliding_window`, and the flash path's
+`window_size=(W - 1, W - 1)`, in transformers 5.x). `None` is full causal attention, and so is
+any W at least the context length. The window is a property of the layer, constant over a run;
+every block stays allocated (freeing the blocks that fall out of the window is not done here).
 """
 
 from __future__ import annotations
@@ -41,5 +49,12 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
+        sliding_window: int | None = None,  # the layer's window in tokens; None: full
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """Raise `ValueError` unless the window is None or a positive number of tokens."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")

@@ -10,6 +10,10 @@ widened as they are loaded; the arithmetic is float32), and quantized ones (int8
 with `kv_scales`, `kvpool.memory.kv_quant`) too: codes are widened in registers and each row's
 scale folds into its score (K) or its softmax weight (V), so no dequantized copy is made.
 Inputs it does not cover (other dtypes or devices) take the reference path.
+
+Sliding window (`sliding_window=W`, `kvpool.attention.backend`): the kernel starts each
+sequence's walk at its window's first position, so the blocks before the window are never
+read; prefill masks the window as the reference does.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
     kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One decode query per sequence attending to its whole paged context (the C++ kernel);
-    `kv_scales` exactly when the cache holds int8 / fp8 codes."""
+    """One decode query per sequence attending to its paged context, or to its last
+    `sliding_window` positions (the C++ kernel); `kv_scales` exactly when the cache holds
+    int8 / fp8 codes."""
     load_cpu_kernels()
     return torch.ops.kvpool_cpu.paged_decode(
-        query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales
+        query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales, sliding_window or 0
     )
 
 
@@ -54,12 +60,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         # A float cache is read as it is; a quantized one (int8 / fp8 codes) with its scales.
         cache_served = (is_kernel_float(kv_cache_layer) if kv_scales is None
                         else is_kv_code(kv_cache_layer.dtype))
         if query.device.type != "cpu" or not is_kernel_float(query) or not cache_served:
-            return super()._decode(query, kv_cache_layer, metadata, scale, kv_scales)
+            return super()._decode(query, kv_cache_layer, metadata, scale, kv_scales,
+                                   sliding_window)
         num_decode = query.shape[0]
         return paged_decode(
             query,
@@ -68,4 +76,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.seq_lens[:num_decode],
             scale,
             kv_scales,
+            sliding_window,
         )

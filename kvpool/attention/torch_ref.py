@@ -18,6 +18,11 @@ Prefill keeps the `[1, num_heads, query_len, head_dim]` shape with `enable_gqa`,
 is the shape PyTorch's fused (flash) CPU kernel takes: the folded one fell back to the unfused
 math path, about 4.5x slower for a 512-token prompt.
 
+Sliding window (`sliding_window=W`, `kvpool.attention.backend`): a decode gathers only the
+blocks that hold its window (its block table read from the window's first block on) and masks
+the positions before the window; a prefill gathers from the first block any of its tokens sees
+and masks both sides of each token's window. W at least the context takes the full paths.
+
 Quantized KV (int8 / fp8 codes with `kv_scales`): the write (`kvpool.attention.kv_write`)
 quantizes each row, and the gather dequantizes the gathered copy of the codes
 into the query's dtype (`code * scale`). Being the reference, it may: the kernels dequantize in
@@ -34,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
+from kvpool.attention.backend import check_sliding_window
 from kvpool.attention.kv_write import write_kv
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.memory.kv_quant import dequantize
@@ -130,11 +136,14 @@ class Workspace:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Decode sequences of similar context length, padded together to the longest of them."""
+    """Decode sequences of similar context length, padded together to the longest of them.
+
+    Row i's gathered context starts at its block table's entry `first_blocks[i]` (0 without a
+    sliding window), so column j of `is_valid` is position `first_blocks[i] * block_size + j`."""
 
     rows: torch.Tensor  # [group_size] int64: the sequences' rows among the decodes
-    block_tables: torch.Tensor  # [group_size, num_blocks] int
-    is_valid: torch.Tensor  # [group_size, 1, 1, num_blocks * block_size] bool: real positions
+    block_tables: torch.Tensor  # [group_size, num_blocks] int: from each row's first block
+    is_valid: torch.Tensor  # [group_size, 1, 1, num_blocks * block_size] bool: attended positions
 
 
 # A group's padded context may exceed its real context by this factor (plus one block per
@@ -144,38 +153,65 @@ MAX_PADDING_FACTOR = 1.25
 MAX_DECODE_GROUPS = 8
 
 
-def plan_decode_groups(metadata: AttentionMetadata) -> list[DecodeGroup]:
-    """Split the decode sequences into groups of similar length (longest first)."""
+def window_first_block(seq_len: int, sliding_window: int | None, block_size: int) -> int:
+    """The first block a decode at context `seq_len` attends to: 0 without a window."""
+    if sliding_window is None:
+        return 0
+    return max(0, seq_len - sliding_window) // block_size
+
+
+def plan_decode_groups(
+    metadata: AttentionMetadata, sliding_window: int | None = None
+) -> list[DecodeGroup]:
+    """Split the decode sequences into groups of similar gathered length (longest first); with
+    a window, each sequence gathers only the blocks from its window's first one."""
     num_decode, layout = metadata.num_decode_seqs, metadata.layout
     block_size = layout.block_size
     seq_lens = metadata.seq_lens_cpu[:num_decode]
-    order = sorted(range(num_decode), key=lambda row: seq_lens[row], reverse=True)
+    spans = [  # tokens gathered per sequence: from its first block to its end
+        seq_len - window_first_block(seq_len, sliding_window, block_size) * block_size
+        for seq_len in seq_lens
+    ]
+    order = sorted(range(num_decode), key=lambda row: spans[row], reverse=True)
     memberships: list[list[int]] = [[]]
     for row in order:
         members = memberships[-1]
-        longest = seq_lens[members[0]] if members else seq_lens[row]
+        longest = spans[members[0]] if members else spans[row]
         padded = (len(members) + 1) * layout.num_blocks_for_tokens(longest) * block_size
-        real = sum(seq_lens[m] for m in members) + seq_lens[row] + block_size * (len(members) + 1)
+        real = sum(spans[m] for m in members) + spans[row] + block_size * (len(members) + 1)
         if members and padded > MAX_PADDING_FACTOR * real and len(memberships) < MAX_DECODE_GROUPS:
             memberships.append([])
         memberships[-1].append(row)
-    device = metadata.block_tables.device
     if len(memberships) == 1:  # keep the caller's row order: no gather of rows needed
         memberships = [list(range(num_decode))]
-    groups = []
-    for members in memberships:
-        rows = torch.tensor(members, dtype=torch.int64, device=device)
-        num_blocks = layout.num_blocks_for_tokens(max(seq_lens[m] for m in members))
-        positions = torch.arange(num_blocks * block_size, device=device)
-        is_valid = positions[None, :] < metadata.seq_lens[rows, None]
-        groups.append(
-            DecodeGroup(
-                rows=rows,
-                block_tables=metadata.block_tables[rows, :num_blocks],
-                is_valid=is_valid[:, None, None, :],
-            )
-        )
-    return groups
+    # Contexts no longer than the window need no window mask: the plain path serves them.
+    is_windowed = sliding_window is not None and max(seq_lens, default=0) > sliding_window
+    return [
+        _decode_group(metadata, members, max(spans[m] for m in members),
+                      sliding_window if is_windowed else None)
+        for members in memberships
+    ]
+
+
+def _decode_group(
+    metadata: AttentionMetadata, members: list[int], longest: int, sliding_window: int | None
+) -> DecodeGroup:
+    layout, device = metadata.layout, metadata.block_tables.device
+    rows = torch.tensor(members, dtype=torch.int64, device=device)
+    num_blocks = layout.num_blocks_for_tokens(longest)
+    positions = torch.arange(num_blocks * layout.block_size, device=device)[None, :]
+    seq_lens = metadata.seq_lens[rows, None]
+    if sliding_window is None:
+        block_tables = metadata.block_tables[rows, :num_blocks]
+        is_valid = positions < seq_lens
+    else:  # on the device: the host plan is only the group's width, so nothing is read back
+        first_blocks = (seq_lens - sliding_window).clamp(min=0) // layout.block_size
+        columns = first_blocks + torch.arange(num_blocks, device=device)[None, :]
+        columns = columns.clamp(max=metadata.block_tables.shape[1] - 1)  # masked beyond the end
+        block_tables = metadata.block_tables[rows].gather(1, columns)
+        positions = positions + first_blocks * layout.block_size  # absolute positions
+        is_valid = (positions < seq_lens) & (positions >= seq_lens - sliding_window)
+    return DecodeGroup(rows=rows, block_tables=block_tables, is_valid=is_valid[:, None, None, :])
 
 
 class TorchAttentionBackend:
@@ -185,8 +221,10 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self.workspace = Workspace()
-        # The decode grouping is the same for every layer of a step: planned once per metadata.
-        self._decode_plan: tuple[AttentionMetadata, list[DecodeGroup]] | None = None
+        # The decode grouping is the same for every layer of a step with the same window:
+        # planned once per metadata and window.
+        self._decode_plan: tuple[AttentionMetadata, dict[int | None, list[DecodeGroup]]] | None
+        self._decode_plan = None
 
     def forward(
         self,
@@ -197,19 +235,21 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        check_sliding_window(sliding_window)
         write_kv(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
         if num_decode:
             output[:num_decode] = self._decode(
-                query[:num_decode], kv_cache_layer, metadata, scale, kv_scales
+                query[:num_decode], kv_cache_layer, metadata, scale, kv_scales, sliding_window
             )
         starts = metadata.query_start_loc_cpu
         for seq_index in range(num_decode, metadata.num_seqs):
             self._prefill_one(
                 query, output, kv_cache_layer, metadata, seq_index, starts[seq_index], scale,
-                kv_scales,
+                kv_scales, sliding_window,
             )
         return output
 
@@ -220,10 +260,14 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if self._decode_plan is None or self._decode_plan[0] is not metadata:
-            self._decode_plan = (metadata, plan_decode_groups(metadata))
-        groups = self._decode_plan[1]
+            self._decode_plan = (metadata, {})
+        plans = self._decode_plan[1]
+        if sliding_window not in plans:
+            plans[sliding_window] = plan_decode_groups(metadata, sliding_window)
+        groups = plans[sliding_window]
         if len(groups) == 1:
             return self._decode_group(query, kv_cache_layer, groups[0], scale, kv_scales)
         output = torch.empty_like(query)
@@ -266,22 +310,33 @@ class TorchAttentionBackend:
         start: int,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         query_len = metadata.query_lens_cpu[seq_index]
         seq_len = metadata.seq_lens_cpu[seq_index]
+        prefix_len = seq_len - query_len
+        if sliding_window is not None and sliding_window >= seq_len:
+            sliding_window = None  # every window reaches back to position 0: full causal
+        # The first token's window starts the earliest: blocks before it are never read.
+        first_block = window_first_block(prefix_len + 1, sliding_window, metadata.block_size)
+        first_position = first_block * metadata.block_size
         num_blocks = metadata.layout.num_blocks_for_tokens(seq_len)
-        table = metadata.block_tables[seq_index : seq_index + 1, :num_blocks]
+        table = metadata.block_tables[seq_index : seq_index + 1, first_block:num_blocks]
         keys, values = gather_context(
             kv_cache_layer, table, self.workspace, kv_scales, query.dtype
-        )  # [1, Hkv, >=seq_len, D]
-        keys, values = keys[:, :, :seq_len].to(query.dtype), values[:, :, :seq_len].to(query.dtype)
+        )  # [1, Hkv, >=seq_len - first_position, D]
+        context_len = seq_len - first_position
+        keys = keys[:, :, :context_len].to(query.dtype)
+        values = values[:, :, :context_len].to(query.dtype)
         seq_query = query[start : start + query_len].transpose(0, 1)[None]  # [1, H, q_len, D]
-        if query_len == seq_len:  # nothing before the chunk: plain causal, no mask to build
-            mask, is_causal = None, True
-        else:  # query j sits at position seq_len - query_len + j and sees positions <= it
-            query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
-            context_positions = torch.arange(seq_len, device=query.device)
-            mask, is_causal = context_positions[None, :] <= query_positions[:, None], False
+        if query_len == seq_len and sliding_window is None:
+            mask, is_causal = None, True  # nothing before the chunk: plain causal, no mask
+        else:  # query j sits at position prefix_len + j and sees its window's positions
+            query_positions = torch.arange(prefix_len, seq_len, device=query.device)[:, None]
+            context_positions = torch.arange(first_position, seq_len, device=query.device)[None]
+            mask, is_causal = context_positions <= query_positions, False
+            if sliding_window is not None:
+                mask &= context_positions > query_positions - sliding_window
         out = grouped_query_sdpa(
             seq_query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale
         )  # [1, H, q_len, D]

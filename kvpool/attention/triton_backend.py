@@ -19,12 +19,15 @@ constexprs and specialisations, so the kernels do not specialise on what changes
 backend's first call launches every variant a later call can: decode unsplit and split (with
 its reduction) and prefill, on the null block, with the call's own query, cache and dtypes.
 That first call is the engine's start-up warm-up (`kvpool.engine.warmup`), on every rank.
+A sliding window (`sliding_window`) is a runtime scalar of both attention kernels, not a
+specialisation, so the variants the warm-up compiles serve every layer's window (or none).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpool.attention.backend import check_sliding_window
 from kvpool.attention.kv_write import write_kv_triton
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.triton_decode import DecodeConfig, paged_decode
@@ -53,7 +56,9 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        check_sliding_window(sliding_window)
         self._compile_variants(query, kv_cache_layer, kv_scales)
         write_kv_triton(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
@@ -70,6 +75,7 @@ class TritonAttentionBackend:
                 out=output[:num_decode],
                 config=self.decode_config,
                 kv_scales=kv_scales,
+                sliding_window=sliding_window,
             )
         if num_decode < metadata.num_seqs:
             paged_prefill(
@@ -84,6 +90,7 @@ class TritonAttentionBackend:
                 config=self.prefill_config,
                 kv_scales=kv_scales,
                 first_seq=num_decode,
+                sliding_window=sliding_window,
             )
         return output
 

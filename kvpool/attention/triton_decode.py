@@ -20,6 +20,17 @@ gathered copy, while no dequantized copy of the context ever exists here. fp8 co
 as fp8 (the interpreter widens all 256 codes exactly; the GPU converts them in hardware). The
 constexpr `KV_QUANT` leaves the float path as it was.
 
+Sliding window (`sliding_window=W`, `kvpool.attention.backend`): a sequence attends to its
+context positions [max(0, seq_len - W), seq_len). The walk starts at the tile holding the
+window's start and the splits divide the tiles from there on, so no program reads a tile
+before the window; a split left empty stores nothing and the reduction skips it, as for short
+contexts. Tiles stay aligned to `block_n`: the first one may load up to `block_n - 1` tokens
+before the window (the sequence's own, finite K/V), masked out of its scores. Masking the loads
+on both sides instead cost ~16 registers a thread on sm_90 (88 -> 104, one program fewer per
+multiprocessor; `tests/attention/triton_compile.py`), peeling the first tile ~18. W is a
+runtime scalar (0: none), never a specialisation: one compiled variant serves every window and
+none.
+
 Invariants: every sequence has `seq_len >= 1`; `block_tables[i]` holds valid ids for its first
 `ceil(seq_len / block_size)` entries; the K/V of every context token is already in the cache.
 """
@@ -54,18 +65,25 @@ class DecodeConfig:
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = 64
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    block_n: int = 64,
+    sliding_window: int | None = None,
 ) -> int:
     """How many context splits fill `num_sms` multiprocessors about twice over.
 
     Splitting pays only while the batch alone leaves multiprocessors idle, and only for contexts
-    long enough that each split still streams at least `MIN_TOKENS_PER_SPLIT` tokens.
+    long enough that each split still streams at least `MIN_TOKENS_PER_SPLIT` tokens; under a
+    sliding window, the context a split divides is the window.
     """
     num_programs = num_seqs * num_kv_heads
     if num_programs == 0:
         return 1
     wanted = math.ceil(2 * num_sms / num_programs)
-    by_length = max(1, max_seq_len // max(MIN_TOKENS_PER_SPLIT, block_n))
+    max_attended = min(max_seq_len, sliding_window or max_seq_len)
+    by_length = max(1, max_attended // max(MIN_TOKENS_PER_SPLIT, block_n))
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
@@ -121,20 +139,42 @@ def dequantize_tile(codes, scales, KV_QUANT: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _split_range(seq_len, split_id, num_splits, BLOCK_N: tl.constexpr):
-    """[start, end) of this split's context tokens; splits are whole tiles, the last one short."""
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split_id * tokens_per_split
+def _window_start(seq_len, sliding_window):
+    """The first context position a decode attends to: 0 without a window (0)."""
+    return tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
+
+
+@triton.jit
+def _first_tile(seq_len, sliding_window, BLOCK_N: tl.constexpr):
+    """Where the walk starts: the tile holding the window's start (tiles stay aligned)."""
+    return _window_start(seq_len, sliding_window) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _tokens_per_split(seq_len, sliding_window, num_splits, BLOCK_N: tl.constexpr):
+    """Each split's share of the tiles from the window's first on, in whole tiles."""
+    num_walked = seq_len - _first_tile(seq_len, sliding_window, BLOCK_N)
+    return tl.cdiv(tl.cdiv(num_walked, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _split_range(seq_len, sliding_window, split_id, num_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of this split's context tokens: the tiles from the window's first on, cut
+    into whole tiles per split, the last one short."""
+    tokens_per_split = _tokens_per_split(seq_len, sliding_window, num_splits, BLOCK_N)
+    start = _first_tile(seq_len, sliding_window, BLOCK_N) + split_id * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     return start, end
 
 
 # Scalars that change from step to step are not specialised on (Triton would otherwise compile
 # a new variant whenever one becomes 1 or a multiple of 16): the split count, the block table's
-# width, and the strides of outputs shaped by the split count. So one variant per IS_SPLIT
-# serves every step, and the warm-up's first call compiles it (`TritonAttentionBackend`).
-@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq", "stride_out_seq", "stride_out_head",
-                               "stride_out_split", "stride_lse_seq", "stride_lse_head"])
+# width, and the strides of outputs shaped by the split count; nor the window, which differs
+# between layers. So one variant per IS_SPLIT serves every step and layer, and the warm-up's
+# first call compiles it (`TritonAttentionBackend`).
+@triton.jit(do_not_specialize=["num_splits", "sliding_window", "stride_bt_seq", "stride_out_seq",
+                               "stride_out_head", "stride_out_split", "stride_lse_seq",
+                               "stride_lse_head"])
 def _decode_kernel(
     query_ptr,
     kv_ptr,
@@ -145,6 +185,7 @@ def _decode_kernel(
     lse_ptr,
     scale_log2,
     num_splits,
+    sliding_window,
     stride_q_token,
     stride_q_head,
     stride_kv_block,
@@ -174,7 +215,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq_id)
-    start, end = _split_range(seq_len, split_id, num_splits, BLOCK_N)
+    start, end = _split_range(seq_len, sliding_window, split_id, num_splits, BLOCK_N)
+    window_start = _window_start(seq_len, sliding_window)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -201,7 +243,8 @@ def _decode_kernel(
 
         k = dequantize_tile(k, k_scales, KV_QUANT, q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        is_attended = token_mask & (tokens >= window_start)
+        scores = tl.where(is_attended[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -229,14 +272,16 @@ def _decode_kernel(
         tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=store_rows)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_partial_seq", "stride_partial_head",
-                               "stride_partial_split", "stride_lse_seq", "stride_lse_head"])
+@triton.jit(do_not_specialize=["num_splits", "sliding_window", "stride_partial_seq",
+                               "stride_partial_head", "stride_partial_split", "stride_lse_seq",
+                               "stride_lse_head"])
 def _reduce_kernel(
     partial_ptr,
     lse_ptr,
     seq_lens_ptr,
     out_ptr,
     num_splits,
+    sliding_window,
     stride_partial_seq,
     stride_partial_head,
     stride_partial_split,
@@ -253,8 +298,9 @@ def _reduce_kernel(
     seq_id = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq_id)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    num_used_splits = tl.cdiv(seq_len, tokens_per_split)
+    tokens_per_split = _tokens_per_split(seq_len, sliding_window, num_splits, BLOCK_N)
+    num_walked = seq_len - _first_tile(seq_len, sliding_window, BLOCK_N)
+    num_used_splits = tl.cdiv(num_walked, tokens_per_split)
 
     splits = tl.arange(0, BLOCK_S)
     split_mask = splits < num_used_splits
@@ -301,8 +347,10 @@ def paged_decode(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's one query token over its whole paged context.
+    """Attention of each sequence's one query token over its whole paged context, or over its
+    last `sliding_window` positions.
 
     `max_seq_len` (a host int) drives the split heuristic; `num_splits` overrides it. A
     quantized cache (int8 / fp8 codes) needs its `kv_scales`.
@@ -317,24 +365,27 @@ def paged_decode(
     kv_quant_mode(kv_cache_layer, kv_scales)  # asserts that the scales fit the cache
     if num_seqs == 0:
         return out
+    window = sliding_window or 0  # the kernels' scalar: 0 is none
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device), config.block_n
+            num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device), config.block_n,
+            sliding_window,
         )
     cache = (kv_cache_layer, kv_scales)
     if num_splits == 1:
-        _launch_decode(query, cache, block_tables, seq_lens, scale, config, out, None)
+        _launch_decode(query, cache, block_tables, seq_lens, window, scale, config, out, None)
         return out
     # [num_seqs, num_heads, num_splits, head_dim] outputs and [..., num_splits] log-sum-exps
     partial = query.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32)
     lse = query.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32)
-    _launch_decode(query, cache, block_tables, seq_lens, scale, config, partial, lse)
+    _launch_decode(query, cache, block_tables, seq_lens, window, scale, config, partial, lse)
     _reduce_kernel[(num_seqs, num_heads)](
         partial,
         lse,
         seq_lens,
         out,
         num_splits,
+        window,
         *partial.stride()[:3],
         *lse.stride()[:2],
         out.stride(0),
@@ -353,6 +404,7 @@ def _launch_decode(
     cache: tuple[torch.Tensor, torch.Tensor | None],  # the layer view and its scales (or None)
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    sliding_window: int,  # 0: none
     scale: float,
     config: DecodeConfig,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], or per split with `lse`
@@ -376,6 +428,7 @@ def _launch_decode(
         out if lse is None else lse,
         scale * LOG2_E,
         num_splits,
+        sliding_window,
         query.stride(0),
         query.stride(1),
         *kv_cache_layer.stride()[:4],

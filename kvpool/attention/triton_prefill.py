@@ -14,6 +14,18 @@ The context walk has two phases: tiles wholly before the tile's first query posi
 mask (every row sees every key), the rest — the diagonal — apply the causal mask. Online softmax
 in fp32 with exp2, the scale folded into log2 units.
 
+Sliding window (`sliding_window=W`, `kvpool.attention.backend`): the row at position p sees
+keys p - W < k <= p. The walk starts at the tile holding the first row's window start (tiles
+before every row's window are never read; tiles stay aligned to `block_n`, as in decode) and
+gains a third phase in front: the keys some rows see and others do not, masked on both sides,
+then the keys every row sees (unmasked), then the diagonal, masked on both sides too. Without a
+window the first phase is empty and the walk is the two phases above. W is a runtime scalar
+(0: none), so one compiled variant serves every window and none.
+
+            |<- before every row's window ->|<- head: masked ->|<- all see ->|<- diagonal ->|
+    keys:   0                               lo           mid_begin       mid_end       last+1
+            (lo, mid_begin and mid_end are multiples of block_n)
+
 Quantized KV (int8 / fp8 codes with `kv_scales`): every K/V tile is dequantized in registers
 (`triton_decode.load_kv_tile` and `dequantize_tile`, shared with decode), into the query's
 dtype, before the tile's dots.
@@ -72,13 +84,16 @@ def _attend_tiles(
     stride_s_slot,
     dims,
     dim_mask,
+    window,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
 ):
-    """Fold context tokens [tile_begin, tile_end) into the running softmax state."""
+    """Fold context tokens [tile_begin, tile_end) into the running softmax state; `CAUSAL`
+    masks each row's keys to its window `row_pos - window < k <= row_pos`, else every key of
+    the range is visible to every row."""
     for tile_start in range(tile_begin, tile_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < tile_end
@@ -94,11 +109,14 @@ def _attend_tiles(
         v = dequantize_tile(v, v_scales, KV_QUANT, q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL:
-            visible = (tokens[None, :] <= row_pos[:, None]) & token_mask[None, :]
+            is_after = tokens[None, :] > row_pos[:, None] - window
+            visible = (tokens[None, :] <= row_pos[:, None]) & is_after & token_mask[None, :]
         else:
             visible = token_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        if CAUSAL:  # a row may see none of a tile yet (its window starts later): no -inf - -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -111,7 +129,7 @@ def _attend_tiles(
 # The step's sequence tensors come whole, with the first prefill's row (`first_seq`, after the
 # decodes), rather than sliced: a slice's address would change its 16-byte alignment, and
 # with it the compiled variant, with the number of decodes in the step.
-@triton.jit(do_not_specialize=["first_seq", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["first_seq", "sliding_window", "stride_bt_seq"])
 def _prefill_kernel(
     query_ptr,
     kv_ptr,
@@ -122,6 +140,7 @@ def _prefill_kernel(
     out_ptr,
     scale_log2,
     first_seq,
+    sliding_window,
     stride_q_token,
     stride_q_head,
     stride_kv_block,
@@ -177,61 +196,36 @@ def _prefill_kernel(
         block_table_ptr = block_tables_ptr + seq_id.to(tl.int64) * stride_bt_seq
         first_pos = prefix_len + tile_first_token
         last_pos = tl.minimum(first_pos + TOKENS_PER_TILE, seq_len) - 1
-        # Keys up to first_pos are visible to every row; whole tiles of them skip the mask.
-        unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+        # No window is a window reaching position 0 from every row.
+        window = tl.where(sliding_window > 0, sliding_window, seq_len + 1)
+        # The first row's window starts in the tile at lo.
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        # Keys up to first_pos are visible to every row; whole tiles of them skip the mask...
+        mid_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+        # ... and so are the keys from the last row's window start on (whole tiles again).
+        last_row_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        mid_begin = tl.minimum(last_row_start, mid_end)  # lo <= both
+        # The three phases: head (masked), middle (unmasked), diagonal (masked).
         m_i, l_i, acc = _attend_tiles(
-            q,
-            m_i,
-            l_i,
-            acc,
-            kv_head_ptr,
-            scale_head_ptr,
-            block_table_ptr,
-            row_pos,
-            0,
-            unmasked_end,
-            scale_log2,
-            stride_kv_block,
-            stride_kv_kv,
-            stride_kv_slot,
-            stride_s_block,
-            stride_s_kv,
-            stride_s_slot,
-            dims,
-            dim_mask,
-            BLOCK_SIZE,
-            BLOCK_N,
-            False,
-            DOT_PRECISION,
-            KV_QUANT,
-        )
+            q, m_i, l_i, acc, kv_head_ptr, scale_head_ptr, block_table_ptr, row_pos, lo,
+            mid_begin, scale_log2, stride_kv_block, stride_kv_kv, stride_kv_slot, stride_s_block,
+            stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE, BLOCK_N, True,
+            DOT_PRECISION, KV_QUANT,
+        )  # fmt: skip
         m_i, l_i, acc = _attend_tiles(
-            q,
-            m_i,
-            l_i,
-            acc,
-            kv_head_ptr,
-            scale_head_ptr,
-            block_table_ptr,
-            row_pos,
-            unmasked_end,
-            last_pos + 1,
-            scale_log2,
-            stride_kv_block,
-            stride_kv_kv,
-            stride_kv_slot,
-            stride_s_block,
-            stride_s_kv,
-            stride_s_slot,
-            dims,
-            dim_mask,
-            BLOCK_SIZE,
-            BLOCK_N,
-            True,
-            DOT_PRECISION,
-            KV_QUANT,
-        )
+            q, m_i, l_i, acc, kv_head_ptr, scale_head_ptr, block_table_ptr, row_pos, mid_begin,
+            mid_end, scale_log2, stride_kv_block, stride_kv_kv, stride_kv_slot, stride_s_block,
+            stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE, BLOCK_N, False,
+            DOT_PRECISION, KV_QUANT,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, kv_head_ptr, scale_head_ptr, block_table_ptr, row_pos, mid_end,
+            last_pos + 1, scale_log2, stride_kv_block, stride_kv_kv, stride_kv_slot,
+            stride_s_block, stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE,
+            BLOCK_N, True, DOT_PRECISION, KV_QUANT,
+        )  # fmt: skip
 
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # a padding row's window may hold no key: not stored
         out = acc / l_i[:, None]
         out_ptrs = (
             out_ptr
@@ -254,9 +248,11 @@ def paged_prefill(
     config: PrefillConfig | None = None,
     kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
     first_seq: int = 0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves,
-    for sequences `first_seq ..` of the step (the earlier ones are its decodes).
+    each token over its last `sliding_window` positions if given, for sequences
+    `first_seq ..` of the step (the earlier ones are its decodes).
 
     Rows of `query` outside those sequences' ranges are left untouched in `out`. A quantized
     cache (int8 / fp8 codes) needs its `kv_scales`.
@@ -285,6 +281,7 @@ def paged_prefill(
         out,
         scale * LOG2_E,
         first_seq,
+        sliding_window or 0,  # 0: none
         query.stride(0),
         query.stride(1),
         *kv_cache_layer.stride()[:4],

@@ -200,6 +200,58 @@ def test_the_cpu_backend_decodes_a_quantized_cache_with_the_kernel(monkeypatch):
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "group_size", "block_size"),
+    [(64, 3, 16), (128, 4, 16), (64, 1, 5), (40, 2, 8), (128, 8, 1)],  # 40: the generic path
+)
+@pytest.mark.parametrize("sliding_window", [1, 7, 16, 100, 1000])
+def test_paged_decode_with_a_sliding_window_attends_to_the_last_positions(
+    sliding_window, head_dim, group_size, block_size
+):
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97, 300]
+    query, layer, tables, lens, contexts = make_decode_batch(
+        seq_lens, block_size, num_kv_heads=2, group_size=group_size, head_dim=head_dim
+    )
+    windows = [(keys[-sliding_window:], values[-sliding_window:]) for keys, values in contexts]
+    scale = head_dim**-0.5
+    out = paged_decode(query, layer, tables, lens, scale, sliding_window=sliding_window)
+    torch.testing.assert_close(out, dense_decode(query, windows, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_a_quantized_cache_with_a_sliding_window_equals_the_reference(code_dtype, head_dim):
+    seq_lens, sliding_window = [1, 9, 17, 97, 300], 20
+    query, codes, scales, tables, lens = make_quantized_batch(seq_lens, 8, 2, 3, head_dim,
+                                                              code_dtype)
+    scale = head_dim**-0.5
+    keys, values = gather_context(codes, tables, kv_scales=scales, dtype=torch.float32)
+    windows = [(keys[i, :, max(0, n - sliding_window):n].transpose(0, 1),
+                values[i, :, max(0, n - sliding_window):n].transpose(0, 1))
+               for i, n in enumerate(lens.tolist())]
+    out = paged_decode(query, codes, tables, lens, scale, scales, sliding_window)
+    torch.testing.assert_close(out, dense_decode(query, windows, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchAttentionBackend])
+def test_a_windowed_decode_never_reads_the_blocks_before_its_window(backend):
+    # NaN in every block wholly before the window: one read of it would poison the output.
+    block_size, sliding_window, seq_lens = 8, 12, [50, 9, 33]
+    query, layer, tables, _, contexts = make_decode_batch(seq_lens, block_size, 2, 2, 64)
+    for row, seq_len in enumerate(seq_lens):
+        first_block = max(0, seq_len - sliding_window) // block_size
+        layer[tables[row, :first_block].long()] = float("nan")
+    windows = [(keys[-sliding_window:], values[-sliding_window:]) for keys, values in contexts]
+    # Table padding names a finite spare block: the torch path gathers padding and masks it.
+    used = [table[: -(-n // block_size)] for table, n in zip(tables.tolist(), seq_lens,
+                                                             strict=True)]
+    (spare, *_) = set(range(layer.shape[0])) - {block for table in used for block in table}
+    padded = [table + [spare] * (tables.shape[1] - len(table)) for table in used]
+    metadata = AttentionMetadata.build([1] * 3, seq_lens, padded, [0] * 3, KVLayout(block_size))
+    out = backend()._decode(query, layer, metadata, 0.125, sliding_window=sliding_window)
+    torch.testing.assert_close(out, dense_decode(query, windows, 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_paged_decode_is_the_same_on_one_thread_and_many():
     seq_lens = [random.Random(3).randint(1, 400) for _ in range(37)]
     query, layer, tables, lens, _ = make_decode_batch(seq_lens, 16, 3, 3, 64, seed=3)
@@ -235,6 +287,8 @@ def test_paged_decode_rejects_bad_input_with_a_reason():
         paged_decode(query, layer, tables, lens, 1.0, scales)
     with pytest.raises(RuntimeError, match=r"kv_scales must be float32 \[num_blocks"):
         paged_decode(query, codes, tables, lens, 1.0, scales[:, :, :8])
+    with pytest.raises(RuntimeError, match="sliding_window must be >= 0"):
+        paged_decode(query, layer, tables, lens, 1.0, sliding_window=-1)
 
 
 def test_kernels_can_be_turned_off(monkeypatch):

@@ -24,8 +24,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 
 
-def dense_attention(query, keys, values, scale):
-    """Causal attention of the last `len(query)` positions over a full context (GQA by repeat).
+def dense_attention(query, keys, values, scale, sliding_window=None):
+    """Causal attention of the last `len(query)` positions over a full context (GQA by repeat);
+    with `sliding_window` W, position p sees keys k with p - W < k <= p (transformers' mask).
 
     query [query_len, H, D], keys/values [seq_len, Hkv, D] -> [query_len, H, D]
     """
@@ -34,12 +35,33 @@ def dense_attention(query, keys, values, scale):
     keys = keys.float().repeat_interleave(group_size, dim=1)
     values = values.float().repeat_interleave(group_size, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
-    query_positions = torch.arange(seq_len - query_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_positions, float("-inf"))
+    is_visible = visible_keys(torch.arange(seq_len - query_len, seq_len), seq_len, sliding_window)
+    scores = scores.masked_fill(~is_visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch"):
+def visible_keys(query_positions, seq_len, sliding_window=None):
+    """[len(query_positions), seq_len] bool: which keys each query position attends to."""
+    query_positions, key_positions = query_positions[:, None], torch.arange(seq_len)[None, :]
+    is_visible = key_positions <= query_positions
+    if sliding_window is not None:
+        is_visible &= key_positions > query_positions - sliding_window
+    return is_visible
+
+
+@pytest.mark.parametrize("sliding_window", [1, 3, 8])
+def test_the_window_is_the_one_transformers_applies(sliding_window):
+    # The lead's model tests compare tokens with transformers (Mistral, Gemma 2 / 3), so the
+    # reference's window must be transformers' mask exactly, not off by one.
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    mask_function = masking_utils.sliding_window_causal_mask_function(sliding_window)
+    positions = torch.arange(12)
+    expected = mask_function(0, 0, positions[:, None], positions[None, :])
+    assert torch.equal(visible_keys(positions, 12, sliding_window), expected)
+
+
+def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch",
+             sliding_window=None):
     """seq_shapes: (num_cached_tokens, query_len) per sequence, decodes first."""
     generator = torch.Generator().manual_seed(seed)
     num_heads = NUM_KV_HEADS * group_size
@@ -69,7 +91,7 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch")
         new_keys.append(keys[cached:])
         new_values.append(values[cached:])
         slots.extend(seq_slots[cached:])
-        expected.append(dense_attention(query, keys, values, scale))
+        expected.append(dense_attention(query, keys, values, scale, sliding_window))
     metadata = AttentionMetadata.build(
         query_lens=[new for _, new in seq_shapes],
         seq_lens=[cached + new for cached, new in seq_shapes],
@@ -78,7 +100,8 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch")
         layout=KVLayout(block_size),
     )
     out = BACKENDS[backend]().forward(
-        torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_layer, metadata, scale
+        torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_layer, metadata, scale,
+        sliding_window=sliding_window,
     )
     return out.float(), torch.cat(expected)
 
@@ -111,6 +134,69 @@ def test_decode_only_and_prefill_only_batches(shapes, backend):
         shapes, block_size=8, group_size=3, dtype=torch.float32, seed=1, backend=backend
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# (num_cached_tokens, query_len) per sequence, decodes first, for windows of 1..40 tokens over
+# blocks of 8: contexts shorter than, equal to and longer than the window, windows that start
+# mid-block and on a block boundary, chunks whose cached prefix is partly outside the window.
+WINDOW_BATCH = [
+    (0, 1),  # a one-token context
+    (6, 1),  # a short decode
+    (15, 1),  # decode at a block boundary: context 16
+    (39, 1),  # decode, context 40
+    (70, 1),  # decode, context 71 (ends mid-block)
+    (0, 30),  # a prompt longer than the small windows
+    (9, 7),  # a chunk after a prefix that ends mid-block
+    (24, 16),  # a chunk after a block-aligned prefix
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sliding_window", [1, 3, 8, 16, 17, 40, 1000])
+@pytest.mark.parametrize(("group_size", "dtype"), [(1, torch.float32), (3, torch.float32),
+                                                   (3, torch.bfloat16)])
+def test_sliding_window_equals_dense_windowed_attention(sliding_window, group_size, dtype,
+                                                        backend):
+    out, expected = run_case(WINDOW_BATCH, 8, group_size, dtype, seed=3, backend=backend,
+                             sliding_window=sliding_window)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_sliding_window_for_every_block_size(block_size, backend):
+    # The window (12) starts mid-block, on a block boundary or inside the first block.
+    out, expected = run_case(WINDOW_BATCH, block_size, 2, torch.float32, seed=4,
+                             backend=backend, sliding_window=12)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_as_long_as_the_context_is_full_attention(backend):
+    shapes = [(30, 1), (0, 12), (20, 11)]  # every context is 31 tokens or fewer
+    for sliding_window in (31, 64):
+        windowed, _ = run_case(shapes, 8, 3, torch.float32, seed=5, backend=backend,
+                               sliding_window=sliding_window)
+        full, _ = run_case(shapes, 8, 3, torch.float32, seed=5, backend=backend)
+        assert torch.equal(windowed, full)
+
+
+def test_decodes_plan_a_group_per_window_gathering_only_the_window():
+    metadata = AttentionMetadata.build(
+        query_lens=[1, 1], seq_lens=[40, 5], block_tables=[[7, 3, 9, 4, 2], [6]],
+        slot_mapping=[0, 0], layout=KVLayout(8),
+    )
+    # Full contexts of 40 and 5 tokens pad too much to share a group; windowed, row 0 gathers
+    # 16 tokens (positions 30..39 are in blocks 3 and 4 of its table), row 1 its 5, and they do.
+    assert [group.rows.tolist() for group in plan_decode_groups(metadata)] == [[0], [1]]
+    (windowed,) = plan_decode_groups(metadata, sliding_window=10)
+    assert windowed.block_tables.tolist() == [[4, 2], [6, 0]]
+    assert windowed.is_valid[:, 0, 0].nonzero().tolist() == (
+        [[0, column] for column in range(6, 16)] + [[1, column] for column in range(5)]
+    )
+    with pytest.raises(ValueError, match="sliding_window"):
+        TorchAttentionBackend().forward(*([torch.zeros(1, 1, 8)] * 3), torch.zeros(1, 2, 8, 1, 8),
+                                        metadata, 1.0, sliding_window=0)
 
 
 def test_metadata_counts_leading_decodes():

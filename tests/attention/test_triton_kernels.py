@@ -129,19 +129,22 @@ def make_batch(
     )
 
 
-def reference_with_scales(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def reference_with_scales(
+    batch: Batch, sliding_window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Output, updated cache and updated scales from the torch backend (on copies)."""
     kv_cache_layer = batch.kv_cache_layer.clone()
     kv_scales = None if batch.kv_scales is None else batch.kv_scales.clone()
     out = TorchAttentionBackend().forward(
-        batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale, kv_scales
+        batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale, kv_scales,
+        sliding_window,
     )
     return out, kv_cache_layer, kv_scales
 
 
-def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(batch: Batch, sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and updated cache from the torch backend (on a copy of the cache)."""
-    out, kv_cache_layer, _ = reference_with_scales(batch)
+    out, kv_cache_layer, _ = reference_with_scales(batch, sliding_window)
     return out, kv_cache_layer
 
 
@@ -327,6 +330,7 @@ def test_choose_num_splits():
     assert choose(64, 8, 8192, num_sms=132) == 1  # 512 programs already fill the GPU
     assert choose(1, 1, 10**6, num_sms=132) == 64  # capped at MAX_SPLITS
     assert choose(0, 8, 0, num_sms=132) == 1
+    assert choose(1, 8, 8192, num_sms=132, sliding_window=512) == 2  # the window's tokens
 
 
 def test_configs_reject_bad_tiles():
@@ -443,6 +447,99 @@ def test_backend_with_an_empty_batch():
         empty_q, empty_kv, empty_kv, cache, metadata, 0.25
     )
     assert out.shape == (0, 2, 16)
+
+
+# ---------------------------------------------------------------- sliding window
+# The torch reference is checked against dense windowed attention (test_torch_ref.py); here the
+# kernels equal it. Windows: 1, shorter than a tile and mid-block (7), a block (8), across
+# blocks and tiles (19), longer than some contexts (40), longer than all (1000: full).
+
+WINDOWS = [1, 7, 8, 19, 40, 1000]
+WINDOW_DECODE_SEQS = [(0, 1), (6, 1), (15, 1), (39, 1), (70, 1)]
+WINDOW_PREFILL_SEQS = [(0, 30), (9, 7), (24, 16), (50, 1), (3, 45)]
+
+
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_windowed_decode_equals_reference(sliding_window, num_splits):
+    # Three splits of a 1-token window leave two empty: the reduction must skip them.
+    batch = make_batch(WINDOW_DECODE_SEQS, 8, group_size=4, seed=7)
+    expected, _ = reference(batch, sliding_window)
+    config = triton_decode.DecodeConfig(block_n=16)
+    actual = run_decode(batch, num_splits=num_splits, config=config, sliding_window=sliding_window)
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (64, 16), (64, 64)])
+def test_windowed_prefill_equals_reference(sliding_window, block_m, block_n):
+    # block_m 16 with 4 heads a KV head: 4 tokens a program, so a long query's programs start
+    # their walks at different windows; block_n 16 puts several tiles before a window.
+    batch = make_batch(WINDOW_PREFILL_SEQS, 8, group_size=4, seed=8)
+    expected, _ = reference(batch, sliding_window)
+    config = triton_prefill.PrefillConfig(block_m=block_m, block_n=block_n)
+    actual = run_prefill(batch, config=config, sliding_window=sliding_window)
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("sliding_window", [5, 16])
+def test_windowed_backend_mixed_batch_equals_torch_backend(sliding_window):
+    seq_shapes = [(0, 1), (12, 1), (63, 1), (0, 10), (9, 6), (32, 17)]
+    batch = make_batch(seq_shapes, 8, group_size=3, head_dim=24, seed=9)
+    expected, expected_cache = reference(batch, sliding_window)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale,
+        sliding_window=sliding_window,
+    )
+    assert_close(actual, expected, torch.float32)
+    assert torch.equal(batch.kv_cache_layer, expected_cache)
+
+
+def test_windowed_attention_over_a_quantized_cache():
+    batch = make_batch([(20, 1), (45, 1), (5, 12), (30, 9)], 8, group_size=2, head_dim=64,
+                       kv_dtype=torch.int8, seed=10)
+    expected, _, _ = reference_with_scales(batch, 11)
+    kv_cache_layer, kv_scales = batch.kv_cache_layer.clone(), batch.kv_scales.clone()
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale,
+        kv_scales, sliding_window=11,
+    )
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_windowed_attention_never_reads_the_blocks_before_the_window(num_splits, monkeypatch):
+    # NaN in every block wholly before the tile (16 tokens) holding a sequence's first window
+    # start: one load would poison the output.
+    block_size, block_n, sliding_window = 8, 16, 10
+    seq_shapes = [(40, 1), (70, 1), (33, 12), (60, 20)]
+    batch = make_batch(seq_shapes, block_size, group_size=2, seed=12)
+    expected, _ = reference(batch, sliding_window)
+    tables = batch.metadata.block_tables
+    for row, (cached, _) in enumerate(seq_shapes):
+        first_tile = max(0, cached + 1 - sliding_window) // block_n * block_n
+        batch.kv_cache_layer[tables[row, : first_tile // block_size].long()] = float("nan")
+    monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *args: num_splits)
+    backend = triton_backend.TritonAttentionBackend(
+        triton_decode.DecodeConfig(block_n=block_n),
+        triton_prefill.PrefillConfig(block_m=16, block_n=block_n),
+    )
+    actual = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache_layer,
+                             batch.metadata, batch.scale, sliding_window=sliding_window)
+    assert_close(actual, expected, torch.float32)
+
+
+def test_the_split_count_follows_the_window_not_the_context(monkeypatch):
+    # On 132 multiprocessors an 8k context would split 32 ways; its 300-token window, once.
+    planned = []
+    choose = triton_decode.choose_num_splits
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_decode, "choose_num_splits",
+                        lambda *args: planned.append(choose(*args)) or planned[-1])
+    batch = make_batch([(8191, 1)], 64, num_kv_heads=8, head_dim=16, seed=11)
+    expected, _ = reference(batch, 300)
+    assert_close(run_decode(batch, sliding_window=300), expected, torch.float32)
+    assert planned == [1]
 
 
 # ---------------------------------------------------------------- quantized KV (int8 / fp8)
@@ -667,6 +764,22 @@ def test_gpu_backend_mixed_batch(dtype, group_size):
     expected, expected_cache = reference(batch)
     actual = triton_backend.TritonAttentionBackend().forward(
         batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale
+    )
+    assert_close(actual, expected, dtype)
+    assert torch.equal(batch.kv_cache_layer, expected_cache)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("sliding_window", [512, 1000, 4096])
+def test_gpu_windowed_backend_realistic(dtype, sliding_window):
+    # Gemma 3's and Mistral's windows over long decodes (split) and prompts longer than them.
+    seq_shapes = [(8191, 1), (5000, 1), (300, 1), (0, 1500), (3000, 700), (40, 9)]
+    batch = make_batch(seq_shapes, 16, 4, 2, 128, dtype, seed=7)
+    expected, expected_cache = reference(batch, sliding_window)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale,
+        sliding_window=sliding_window,
     )
     assert_close(actual, expected, dtype)
     assert torch.equal(batch.kv_cache_layer, expected_cache)

@@ -57,3 +57,39 @@ def test_serving_after_the_warm_up_compiles_no_new_variant(monkeypatch):
     assert served["_reduce_kernel"], "the workload never split a decode"
     for name, keys in served.items():
         assert keys <= warmed[name], f"{name} compiled {len(keys - warmed[name])} new variant(s)"
+
+
+def test_a_sliding_window_compiles_no_new_variant(monkeypatch):
+    # The window is a runtime scalar of both kernels: every layer's window (Gemma 3 alternates
+    # sliding and global layers) runs on the variants the first, windowless, call compiled.
+    import torch
+
+    from kvpool.attention import triton_backend, triton_decode
+    from kvpool.attention.metadata import AttentionMetadata
+    from kvpool.memory.kv_layout import KVLayout
+    from tests.attention.kernel_variants import VariantRecorder
+
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)  # 600 tokens: 2 splits
+    recorder = VariantRecorder(monkeypatch, kernels())
+    block_size, seq_lens, query_lens = 16, [600, 9, 20, 45], [1, 1, 20, 5]
+    tables, first = [], 1  # block 0 is the null block
+    for seq_len in seq_lens:
+        tables.append(list(range(first, first + -(-seq_len // block_size))))
+        first += len(tables[-1])
+    slots = [table[p // block_size] * block_size + p % block_size
+             for table, seq_len, new in zip(tables, seq_lens, query_lens, strict=True)
+             for p in range(seq_len - new, seq_len)]
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, slots, KVLayout(block_size),
+                                       device=DEVICE)
+    cache = torch.randn(first, 2, block_size, 2, 16, device=DEVICE)
+    query = torch.randn(len(slots), 6, 16, device=DEVICE)
+    key, value = torch.randn(2, len(slots), 2, 16, device=DEVICE)
+    backend = triton_backend.TritonAttentionBackend()
+    backend.forward(query, key, value, cache, metadata, 0.25)
+    warmed = recorder.snapshot()
+    recorder.clear()
+    for sliding_window in (1, 7, 16, 512, 4096):
+        backend.forward(query, key, value, cache, metadata, 0.25, sliding_window=sliding_window)
+    for name, keys in recorder.snapshot().items():
+        assert keys <= warmed[name], f"{name} compiled {len(keys - warmed[name])} new variant(s)"
+    assert recorder.keys["_reduce_kernel"], "no windowed decode split"

@@ -17,7 +17,13 @@
 //   kv_scales    [num_blocks, 2, block_size, num_kv_heads] float32, for a code cache only
 //   block_tables [num_seqs, max_num_blocks] int32
 //   seq_lens     [num_seqs] int32   (context length, including the token being decoded)
+//   sliding_window  int, 0 for none: attend to the last `sliding_window` positions only
 //   returns      [num_seqs, num_heads, head_dim]         the query's dtype
+//
+// Sliding window (`kvpool/attention/backend.py`): a sequence of context seq_len attends to
+// positions [begin, seq_len) with begin = max(0, seq_len - sliding_window). The walk starts at
+// begin's block and offset, so the blocks before the window are never read, and the scores
+// hold the window only. Without a window begin is 0 and the loops are the same as before.
 //
 // Whatever the dtypes, the arithmetic is float32: each K/V element is widened as it is loaded
 // (a 16-bit cache is read in place, at half the bytes of a float32 one, an 8-bit one at a
@@ -158,22 +164,29 @@ inline float row_scale(const float* token_scales, int64_t kv_head, const CacheLa
   }
 }
 
-// Calls visit(position, rows, scales) for positions 0..seq_len-1 in order, where `rows` points
-// at that token's rows for all KV heads in `plane` and `scales` at their scales (nullptr for a
-// float cache). Walks the block table once, prefetching the next block's rows (and scales) as
-// it goes.
+// The positions a sequence attends to: [begin, end), begin > 0 only under a sliding window.
+struct Span {
+  int64_t begin;
+  int64_t end;  // the context length
+  int64_t length() const { return end - begin; }
+};
+
+// Calls visit(i, rows, scales) for positions span.begin + i, i = 0..span.length()-1 in order,
+// where `rows` points at that token's rows for all KV heads in `plane` and `scales` at their
+// scales (nullptr for a float cache). Walks the block table once from the span's first block,
+// prefetching the next block's rows (and scales) as it goes.
 template <typename T, typename Visit>
-inline void for_each_token(const Plane<T>& plane, const int32_t* block_table, int64_t seq_len,
+inline void for_each_token(const Plane<T>& plane, const int32_t* block_table, Span span,
                            const HeadShape& heads, const CacheLayout& layout, Visit&& visit) {
   const int64_t row_elements = heads.num_kv_heads * layout.head_stride;
-  const int64_t num_blocks = (seq_len + layout.block_size - 1) / layout.block_size;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  const int64_t num_blocks = (span.end + layout.block_size - 1) / layout.block_size;
+  for (int64_t b = span.begin / layout.block_size; b < num_blocks; ++b) {
     const int64_t block = block_table[b], next = block_table[std::min(b + 1, num_blocks - 1)];
     const T* rows = plane.rows + block * layout.block_stride;
     const T* next_rows = plane.rows + next * layout.block_stride;
-    const int64_t first = b * layout.block_size;
-    const int64_t count = std::min(layout.block_size, seq_len - first);
-    for (int64_t t = 0; t < count; ++t) {
+    const int64_t first = b * layout.block_size - span.begin;  // the index of the block's token 0
+    const int64_t count = std::min(layout.block_size, span.end - span.begin - first);
+    for (int64_t t = std::max<int64_t>(0, -first); t < count; ++t) {
       prefetch(next_rows + t * layout.token_stride, row_elements);
       const float* scales = nullptr;
       if constexpr (kIsCode<T>) {
@@ -191,29 +204,30 @@ inline void for_each_token(const Plane<T>& plane, const int32_t* block_table, in
 // registers once and serves the whole query group.
 template <int64_t kLanes, typename T>
 void attend_sequence_wide(const float* __restrict query, float* __restrict out,
-                          const Plane<T>& cache, const int32_t* block_table, int64_t seq_len,
+                          const Plane<T>& cache, const int32_t* block_table, Span span,
                           const HeadShape& heads, const CacheLayout& layout,
                           float* __restrict scores) {
   constexpr int64_t kHeadDim = kLanes * 16;
+  const int64_t length = span.length();
   WideRow<kLanes> row;
-  for_each_token(cache, block_table, seq_len, heads, layout,
+  for_each_token(cache, block_table, span, heads, layout,
                  [&](int64_t position, const T* keys, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      load_wide(row, keys + kv_head * layout.head_stride);
                      const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
-                       scores[h * seq_len + position] = dot_wide(query + h * kHeadDim, row) * s;
+                       scores[h * length + position] = dot_wide(query + h * kHeadDim, row) * s;
                    }
                  });
-  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * seq_len, seq_len);
+  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * length, length);
   std::fill(out, out + heads.num_heads * kHeadDim, 0.0f);
-  for_each_token(value_plane(cache, layout), block_table, seq_len, heads, layout,
+  for_each_token(value_plane(cache, layout), block_table, span, heads, layout,
                  [&](int64_t position, const T* values, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      load_wide(row, values + kv_head * layout.head_stride);
                      const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
-                       add_scaled_wide(out + h * kHeadDim, row, scores[h * seq_len + position] * s);
+                       add_scaled_wide(out + h * kHeadDim, row, scores[h * length + position] * s);
                    }
                  });
 }
@@ -222,34 +236,34 @@ void attend_sequence_wide(const float* __restrict query, float* __restrict out,
 // Attention of one sequence's `num_heads` query rows (contiguous [num_heads, head_dim], already
 // scaled) over its context: each token's K (then V) rows for all KV heads are one contiguous
 // run, so the cache is streamed, never re-read. Query head h = kv_head * group_size + g.
-// `scores` is scratch for [num_heads, seq_len] floats; `out` is [num_heads, head_dim].
+// `scores` is scratch for [num_heads, span.length()] floats; `out` is [num_heads, head_dim].
 template <int64_t kHeadDim, typename T>
 void attend_sequence(const float* __restrict query, float* __restrict out, const Plane<T>& cache,
-                     const int32_t* block_table, int64_t seq_len, const HeadShape& heads,
+                     const int32_t* block_table, Span span, const HeadShape& heads,
                      const CacheLayout& layout, float* __restrict scores) {
 #if defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-    attend_sequence_wide<kHeadDim / 16>(query, out, cache, block_table, seq_len, heads, layout,
+    attend_sequence_wide<kHeadDim / 16>(query, out, cache, block_table, span, heads, layout,
                                         scores);
     return;
   }
 #endif
-  const int64_t head_dim = heads.head_dim;
+  const int64_t head_dim = heads.head_dim, length = span.length();
   std::vector<float> row(static_cast<size_t>(head_dim));
-  for_each_token(cache, block_table, seq_len, heads, layout,
+  for_each_token(cache, block_table, span, heads, layout,
                  [&](int64_t position, const T* keys, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      const float* key = as_float(keys + kv_head * layout.head_stride, row.data(),
                                                  head_dim);
                      const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
-                       scores[h * seq_len + position] =
+                       scores[h * length + position] =
                            dot<kHeadDim>(query + h * head_dim, key, head_dim) * s;
                    }
                  });
-  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * seq_len, seq_len);
+  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * length, length);
   std::fill(out, out + heads.num_heads * head_dim, 0.0f);
-  for_each_token(value_plane(cache, layout), block_table, seq_len, heads, layout,
+  for_each_token(value_plane(cache, layout), block_table, span, heads, layout,
                  [&](int64_t position, const T* values, const float* scales) {
                    for (int64_t kv_head = 0, h = 0; kv_head < heads.num_kv_heads; ++kv_head) {
                      const float* value = as_float(values + kv_head * layout.head_stride,
@@ -257,21 +271,27 @@ void attend_sequence(const float* __restrict query, float* __restrict out, const
                      const float s = row_scale<T>(scales, kv_head, layout);
                      for (int64_t g = 0; g < heads.group_size; ++g, ++h)
                        add_scaled<kHeadDim>(out + h * head_dim, value,
-                                            scores[h * seq_len + position] * s, head_dim);
+                                            scores[h * length + position] * s, head_dim);
                    }
                  });
 }
 
+// The positions sequence `seq` attends to.
+inline Span span_of(const int32_t* seq_lens, int64_t seq, int64_t sliding_window) {
+  const int64_t end = seq_lens[seq];
+  return {sliding_window > 0 ? std::max<int64_t>(0, end - sliding_window) : 0, end};
+}
+
 // Splits sequences [0, num_seqs) into `num_parts` contiguous ranges of about equal total
-// context (the work is proportional to it): part p is [bounds[p], bounds[p + 1]).
+// attended context (the work is proportional to it): part p is [bounds[p], bounds[p + 1]).
 std::vector<int64_t> balanced_bounds(const int32_t* seq_lens, int64_t num_seqs,
-                                     int64_t num_parts) {
+                                     int64_t sliding_window, int64_t num_parts) {
   int64_t total = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
+  for (int64_t s = 0; s < num_seqs; ++s) total += span_of(seq_lens, s, sliding_window).length();
   std::vector<int64_t> bounds{0};
   int64_t done = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    done += seq_lens[s];
+    done += span_of(seq_lens, s, sliding_window).length();
     const int64_t part = static_cast<int64_t>(bounds.size());
     if (part < num_parts && done * num_parts >= total * part) bounds.push_back(s + 1);
   }
@@ -286,7 +306,8 @@ bool is_code_dtype(at::ScalarType type) {
 // Checks the inputs, the block ids included (cheap next to the reads: one id per block).
 void check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
                   const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens) {
+                  const at::Tensor& seq_lens, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query must be 3-D and kv_cache 5-D");
   const auto is_float = [](const at::Tensor& t) {
     return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
@@ -331,7 +352,7 @@ void check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
 template <typename Q, typename T>
 void run(const at::Tensor& query, const at::Tensor& kv_cache,
          const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
-         const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+         const at::Tensor& seq_lens, int64_t sliding_window, float scale, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
   const HeadShape heads{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim};
@@ -355,15 +376,16 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache,
                                         : &attend_sequence<0, T>;
   const int64_t row = num_heads * head_dim;
   const int64_t num_parts = std::min<int64_t>(at::get_num_threads(), num_seqs);
-  const std::vector<int64_t> bounds = balanced_bounds(lens, num_seqs, num_parts);
+  const std::vector<int64_t> bounds = balanced_bounds(lens, num_seqs, sliding_window, num_parts);
   at::parallel_for(0, num_parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, scaled_query(row), acc(row);
     for (int64_t seq = bounds[begin]; seq < bounds[end]; ++seq) {
-      scores.resize(static_cast<size_t>(num_heads * lens[seq]));
+      const Span span = span_of(lens, seq, sliding_window);
+      scores.resize(static_cast<size_t>(num_heads * span.length()));
       const Q* seq_query = query_data + seq * row;
       for (int64_t i = 0; i < row; ++i) scaled_query[i] = static_cast<float>(seq_query[i]) * scale;
-      attend(scaled_query.data(), acc.data(), cache, tables + seq * max_num_blocks, lens[seq],
-             heads, layout, scores.data());
+      attend(scaled_query.data(), acc.data(), cache, tables + seq * max_num_blocks, span, heads,
+             layout, scores.data());
       Q* seq_out = out_data + seq * row;
       for (int64_t i = 0; i < row; ++i) seq_out[i] = static_cast<Q>(acc[i]);
     }
@@ -373,9 +395,11 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache,
 template <typename Q>
 void run_for_query(const at::Tensor& query, const at::Tensor& kv_cache,
                    const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+                   const at::Tensor& seq_lens, int64_t sliding_window, float scale,
+                   at::Tensor& out) {
   const auto body = [&](auto tag) {
-    run<Q, decltype(tag)>(query, kv_cache, kv_scales, block_tables, seq_lens, scale, out);
+    run<Q, decltype(tag)>(query, kv_cache, kv_scales, block_tables, seq_lens, sliding_window,
+                          scale, out);
   };
   switch (kv_cache.scalar_type()) {
     case at::kFloat: return body(float{});
@@ -389,22 +413,22 @@ void run_for_query(const at::Tensor& query, const at::Tensor& kv_cache,
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        const std::optional<at::Tensor>& kv_scales) {
+                        const std::optional<at::Tensor>& kv_scales, int64_t sliding_window) {
   const at::Tensor query_c = query.contiguous();
   const at::Tensor tables_c = block_tables.contiguous();
   const at::Tensor lens_c = seq_lens.contiguous();
-  check_inputs(query_c, kv_cache, kv_scales, tables_c, lens_c);
+  check_inputs(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window);
   at::Tensor out = at::empty_like(query_c);
   const float scale_f = static_cast<float>(scale);
   switch (query_c.scalar_type()) {
     case at::kFloat:
-      run_for_query<float>(query_c, kv_cache, kv_scales, tables_c, lens_c, scale_f, out);
+      run_for_query<float>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window, scale_f, out);
       break;
     case at::kBFloat16:
-      run_for_query<c10::BFloat16>(query_c, kv_cache, kv_scales, tables_c, lens_c, scale_f, out);
+      run_for_query<c10::BFloat16>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window, scale_f, out);
       break;
     default:
-      run_for_query<c10::Half>(query_c, kv_cache, kv_scales, tables_c, lens_c, scale_f, out);
+      run_for_query<c10::Half>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window, scale_f, out);
   }
   return out;
 }
@@ -414,7 +438,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
 TORCH_LIBRARY(kvpool_cpu, m) {
   m.def(
       "paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, Tensor? kv_scales=None) -> Tensor");
+      "float scale, Tensor? kv_scales=None, int sliding_window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
