@@ -54,6 +54,13 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * I] → gelu_tanh(x[:, :I]) * x[:, I:] (Gemma's gated MLP; no C++ kernel
+    yet: PyTorch's own GELU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 # ------------------------------------------------------------------------ ops
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[num_tokens, hidden] → normalised and scaled, in x's dtype."""

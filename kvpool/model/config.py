@@ -3,10 +3,12 @@ metadata.
 
 One config serves every source: a HuggingFace `config.json` (`kvpool.model.hf_config`), GGUF
 key-values (`kvpool.model.gguf_config`), or a named preset (`preset`, for dummy weights and
-tests: `kvpool.model.presets`). Llama 2/3, Mistral, SmolLM2/3, Qwen2 and Qwen3 share one
-decoder; they differ only in the fields below: q/k/v biases (Qwen2), per-head RMSNorm of queries
-and keys before RoPE (Qwen3's `qk_norm`), and per-layer facts in `layers` (`LayerSpec`: a
-sliding window, or no positional encoding as in SmolLM3's every fourth layer).
+tests: `kvpool.model.presets`). Llama 2/3, Mistral, SmolLM2/3, Qwen2, Qwen3 and Gemma 3 share
+one decoder; they differ only in the fields below: q/k/v biases (Qwen2), per-head RMSNorm of
+queries and keys before RoPE (`qk_norm`: Qwen3, Gemma 3), Gemma's numerics (norms after
+attention and MLP too, RMSNorm scaling by 1 + weight, GELU-tanh, scaled embeddings, its own
+attention scale, soft-capped logits), and per-layer facts in `layers` (`LayerSpec`: a sliding
+window, its own RoPE, or no positional encoding as in SmolLM3's every fourth layer).
 
 Invariants (checked in `__post_init__`): every size is positive, `num_heads` is a multiple of
 `num_kv_heads`, `head_dim` is even (rotary embeddings rotate pairs), `rope_scaling` is None or
@@ -27,7 +29,8 @@ from kvpool.model.layer_spec import LayerSpec, RopeSpec
 if TYPE_CHECKING:
     import torch
 
-ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
+ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text"})
+ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})  # of the gated MLP: act(gate) * up
 
 # rope_type -> keys it needs. "freq_factors" divides each inverse frequency by a given factor:
 # how GGUF files carry Llama 3.1 scaling (a `rope_freqs` tensor instead of key-values).
@@ -57,7 +60,13 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the gated MLP's activation (`ACTIVATIONS`)
+    sandwich_norms: bool = False  # RMSNorm after attention and after the MLP too (Gemma)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): 1 in Gemma's checkpoints
+    embedding_multiplier: float = 1.0  # embeddings × this, in the model's dtype (Gemma: √hidden)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap · tanh(logits / cap) (Gemma)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layers: tuple[LayerSpec, ...] = ()  # one per layer; () = all full attention, the model's RoPE
@@ -84,6 +93,9 @@ class ModelConfig:
             if token_id is not None and not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"special token id {token_id} outside vocab 0..{self.vocab_size}")
         _check_rope_scaling(self.rope_scaling, self.head_dim)
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {self.hidden_act!r}")
         if self.layers and len(self.layers) != self.num_layers:
             raise ValueError(f"layers has {len(self.layers)} specs for {self.num_layers} layers")
         for layer in self.layers:
@@ -106,7 +118,7 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """What attention scores are multiplied by before the softmax."""
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def num_queries_per_kv(self) -> int:

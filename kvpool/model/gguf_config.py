@@ -3,7 +3,13 @@
 Keys are `<general.architecture>.<name>`, the names llama.cpp defines. What GGUF does not store
 as a key is derived the way llama.cpp derives it: tied embeddings from the absence of
 `output.weight`; Qwen3's per-head query/key norms from their tensors; SmolLM3's layers without
-RoPE from llama.cpp's fixed interval (every fourth layer: it reads no key for it).
+RoPE from llama.cpp's fixed interval (every fourth layer: it reads no key for it); Gemma 3's
+five sliding layers to one full, its sliding layers' RoPE base (10000) and its attention scale,
+all fixed in llama.cpp.
+
+GGUF's `gemma3` is kvpool's `gemma3_text` (transformers' name for the text decoder). llama.cpp's
+converter adds Gemma's 1 to every RMSNorm weight as it writes them, so the file's norms need no
+offset (`norm_offset` 0).
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from typing import Any
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.hf_config import UnsupportedFeature
-from kvpool.model.layer_spec import LayerSpec
+from kvpool.model.layer_spec import LayerSpec, RopeSpec
 
 SMOLLM3_NO_ROPE_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for smollm3
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every sixth gemma3 layer is full attention
+GEMMA3_SLIDING_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
+_KVPOOL_NAMES = {"gemma3": "gemma3_text"}  # GGUF architecture -> kvpool's (HF model_type)
 
 
 def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
@@ -29,7 +38,10 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str])
     def key(suffix: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{suffix}", default)
 
-    config = ModelConfig(architecture=arch, **_shared_fields(metadata, key, tensor_names))
+    config = ModelConfig(architecture=_KVPOOL_NAMES.get(arch, arch),
+                         **_shared_fields(metadata, key, tensor_names))
+    if arch == "gemma3":
+        return _gemma3(config, key)
     return _ARCH_FIELDS.get(arch, lambda config, names: config)(config, tensor_names)
 
 
@@ -71,6 +83,22 @@ def _smollm3(config: ModelConfig, tensor_names: Collection[str]) -> ModelConfig:
     layers = tuple(LayerSpec(None if (i + 1) % SMOLLM3_NO_ROPE_INTERVAL == 0 else rope)
                    for i in range(config.num_layers))
     return config.replace(layers=layers)
+
+
+def _gemma3(config: ModelConfig, key: Callable[..., Any]) -> ModelConfig:
+    full = config.rope
+    sliding = RopeSpec(GEMMA3_SLIDING_ROPE_THETA, None, config.head_dim)
+    window = key("attention.sliding_window")
+    layers = tuple(LayerSpec(full) if (i + 1) % GEMMA3_SLIDING_PATTERN == 0
+                   else LayerSpec(sliding, window) for i in range(config.num_layers))
+    # llama.cpp scales attention by head_dim ** -0.5, by (hidden / heads) ** -0.5 for the 27B
+    # model (62 layers), which is what `query_pre_attn_scalar` says in its config.json.
+    scalar = (config.hidden_size // config.num_heads if config.num_layers == 62
+              else config.head_dim)
+    return config.replace(
+        layers=layers, qk_norm=True, hidden_act="gelu_pytorch_tanh", sandwich_norms=True,
+        embedding_multiplier=config.hidden_size**0.5, query_pre_attn_scalar=scalar,
+        final_logit_softcapping=key("final_logit_softcapping"))
 
 
 _ARCH_FIELDS: dict[str, Callable[[ModelConfig, Collection[str]], ModelConfig]] = {

@@ -49,11 +49,13 @@ def config_from_hf(config: HFConfig) -> ModelConfig:
     return ModelConfig(architecture=model_type, **fields)
 
 
-def _check_refused(config: HFConfig, allowed: Mapping[str, tuple[Any, ...]] | None = None) -> None:
+def _check_refused(config: HFConfig,
+                   allowed: Mapping[str, tuple[Any, ...] | None] | None = None) -> None:
+    """`_REFUSED` with an architecture's own `allowed` values (None: any value)."""
     refused = {**_REFUSED, **(allowed or {})}
     for field, implemented in refused.items():
         value = config.get(field)
-        if value is not None and value not in implemented:
+        if implemented is not None and value is not None and value not in implemented:
             raise UnsupportedFeature(f"{config.get('model_type')}: {field}={value!r} is not "
                                      f"supported (kvpool implements {list(implemented)})")
 
@@ -118,7 +120,52 @@ def _smollm3(config: HFConfig) -> dict[str, Any]:
     return fields
 
 
+def _gemma3_text(config: HFConfig) -> dict[str, Any]:
+    """Gemma 3's text decoder: sliding-window layers and full layers (5 : 1 unless
+    `layer_types` says otherwise), each kind with its own RoPE; QK-norm; RMSNorm scaling by
+    1 + weight, before and after attention and the MLP; GELU-tanh; embeddings × √hidden;
+    attention scaled by `query_pre_attn_scalar` ** -0.5; optional final soft-capping."""
+    gelu = ("gelu_pytorch_tanh",)
+    _check_refused(config, {"hidden_act": gelu, "hidden_activation": gelu,
+                            "final_logit_softcapping": None,
+                            "use_bidirectional_attention": (False,)})
+    fields = _shared_fields(config)
+    num_layers, head_dim = fields["num_layers"], fields["head_dim"]
+    pattern = config.get("sliding_window_pattern", 6)
+    layer_types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)]
+    ropes = _gemma3_ropes(config, head_dim)
+    window = config.get("sliding_window")
+    fields["layers"] = tuple(
+        LayerSpec(ropes[kind], window if kind == "sliding_attention" else None)
+        for kind in layer_types)
+    full = ropes["full_attention"]
+    return {**fields, "rope_theta": full.theta, "rope_scaling": full.scaling, "qk_norm": True,
+            "hidden_act": "gelu_pytorch_tanh", "sandwich_norms": True, "norm_offset": 1.0,
+            "embedding_multiplier": fields["hidden_size"] ** 0.5,
+            "query_pre_attn_scalar": config.get("query_pre_attn_scalar", head_dim),
+            "final_logit_softcapping": config.get("final_logit_softcapping")}
+
+
+def _gemma3_ropes(config: HFConfig, head_dim: int) -> dict[str, RopeSpec]:
+    """Each layer type's RoPE: transformers 5's `rope_parameters` keyed by layer type, or
+    4.x's `rope_theta` + `rope_scaling` (full layers) and `rope_local_base_freq` (sliding)."""
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params:
+        ropes = {}
+        for kind, kind_params in params.items():
+            theta, scaling = hf_rope({"rope_parameters": kind_params})
+            ropes[kind] = RopeSpec(theta, scaling, head_dim)
+        return ropes
+    theta, scaling = hf_rope(config)
+    local_theta = float(config.get("rope_local_base_freq", 10000.0))
+    return {"full_attention": RopeSpec(theta, scaling, head_dim),
+            "sliding_attention": RopeSpec(local_theta, None, head_dim)}
+
+
 _READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
+    "gemma3_text": _gemma3_text,
     "llama": _llama,
     "mistral": _mistral,
     "qwen2": _qwen2,

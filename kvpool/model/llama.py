@@ -99,6 +99,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.attention_scale
+        self.sliding_window = config.layer_specs[layer_id].sliding_window  # None: full
         qkv_size = self.q_size + 2 * self.kv_size
         self.qkv = Linear(config.hidden_size, qkv_size, config.attention_bias, dtype, device)
         self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device)
@@ -120,13 +121,19 @@ class Attention(nn.Module):
         rotary.apply_(k)
         layer_scales = None if kv_scales is None else kv_scales[:, self.layer_id]
         out = self.backend.forward(
-            q, k, v, kv_cache[:, self.layer_id], metadata, self.scale, layer_scales
+            q, k, v, kv_cache[:, self.layer_id], metadata, self.scale, layer_scales,
+            sliding_window=self.sliding_window,
         )  # [num_tokens, num_heads, head_dim]
         return self.tp.row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size))
 
 
+# The gated MLP's activation-and-multiply, by `ModelConfig.hidden_act`.
+_ACT_AND_MUL = {"silu": fused.silu_and_mul, "gelu_pytorch_tanh": fused.gelu_tanh_and_mul}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+    """Gated MLP: down(act(gate(x)) * up(x)), with gate and up as one matmul (SwiGLU; Gemma's
+    GELU-tanh)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  tp: TensorParallel):
@@ -136,9 +143,10 @@ class MLP(nn.Module):
         hidden, intermediate = config.hidden_size, self.intermediate_size
         self.gate_up = Linear(hidden, 2 * intermediate, False, dtype, device)
         self.down = Linear(intermediate, hidden, False, dtype, device)
+        self.act_and_mul = _ACT_AND_MUL[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.row_parallel(self.down, fused.silu_and_mul(self.gate_up(x)))
+        return self.tp.row_parallel(self.down, self.act_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -147,11 +155,28 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype, device: torch.device | str, tp: TensorParallel,
     ):
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+        def norm(present: bool = True) -> nn.Module:
+            return (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device) if present
+                    else nn.Identity())
+
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_id, backend, dtype, device, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.attn_out_norm = norm(config.sandwich_norms)
+        self.mlp_in_norm = norm()
         self.mlp = MLP(config, dtype, device, tp)
+        self.mlp_out_norm = norm(config.sandwich_norms)
+
+    def checkpoint_norms(self, sandwich: bool) -> dict[str, RMSNorm]:
+        """Checkpoint name (in the layer) -> norm: Llama calls the MLP's input norm
+        `post_attention_layernorm`; Gemma's names put one norm on each side of each sublayer."""
+        if not sandwich:
+            return {"input_layernorm": self.input_layernorm,
+                    "post_attention_layernorm": self.mlp_in_norm}
+        return {"input_layernorm": self.input_layernorm,
+                "post_attention_layernorm": self.attn_out_norm,
+                "pre_feedforward_layernorm": self.mlp_in_norm,
+                "post_feedforward_layernorm": self.mlp_out_norm}
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: StepRotary | NoRotary,
@@ -165,9 +190,9 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             self.input_layernorm.add_(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, kv_cache, metadata, kv_scales)
-        self.post_attention_layernorm.add_(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.attn_out_norm(self.self_attn(hidden, rotary, kv_cache, metadata, kv_scales))
+        self.mlp_in_norm.add_(hidden, residual)
+        return self.mlp_out_norm(self.mlp(hidden)), residual
 
 
 class RopeTables(nn.Module):
@@ -223,6 +248,8 @@ class LlamaModel(nn.Module):
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, num_local_vocab, False, dtype, device, tied)
         self.rope_tables = RopeTables(config, device)
+        # The multiplier rounded to the model's dtype, as transformers multiplies (exact: 1.0).
+        self.embedding_multiplier = float(torch.tensor(config.embedding_multiplier, dtype=dtype))
 
     @property
     def device(self) -> torch.device:
@@ -241,7 +268,7 @@ class LlamaModel(nn.Module):
         """The logits of the `logits_indices` rows: the full vocabulary on rank 0 (at tp=1,
         always); None on the other ranks, which send their vocab slice to rank 0. Every rank
         must call it with the same inputs (each fills its own KV heads of `kv_cache`)."""
-        hidden = self._embed(token_ids)  # [num_tokens, hidden_size]
+        hidden = self._embed(token_ids).mul_(self.embedding_multiplier)  # [tokens, hidden]
         rotaries = self.rope_tables.for_step(positions)  # one per layer
         residual = None
         for layer, rotary in zip(self.layers, rotaries, strict=True):
@@ -251,7 +278,10 @@ class LlamaModel(nn.Module):
         self.norm.add_(hidden, residual)
         # Gathered in the model's dtype (half the bytes for bf16); concatenation is exact.
         logits = self.tp.gather_last_dim(self.lm_head(hidden))  # [num_samples, vocab_size]
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        cap = self.config.final_logit_softcapping
+        return logits.float() if cap is None else torch.tanh(logits.float() / cap) * cap
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank its own rows, zeros for the others' ids, summed
@@ -288,8 +318,8 @@ class LlamaModel(nn.Module):
             prefix = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = attn.q_size, attn.kv_size, attn.kv_size
-            for norm_name in ("input_layernorm", "post_attention_layernorm"):
-                targets[prefix + norm_name + ".weight"] = getattr(layer, norm_name).weight
+            for norm_name, norm in layer.checkpoint_norms(self.config.sandwich_norms).items():
+                targets[prefix + norm_name + ".weight"] = norm.weight
             for kind, qkv in (("weight", attn.qkv.weight), ("bias", attn.qkv.bias)):
                 if qkv is None:
                     continue
@@ -327,6 +357,8 @@ class LlamaModel(nn.Module):
                     f"the model expects {tuple(target.shape)}{self._shard_note()}"
                 )
             target.copy_(tensor)
+            if name.endswith("norm.weight"):  # every RMSNorm: stored as weight - offset
+                target.add_(self.config.norm_offset)
             missing.discard(name)
         if missing:
             shown = ", ".join(f"{n} {tuple(targets[n].shape)}" for n in sorted(missing)[:5])

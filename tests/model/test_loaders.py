@@ -182,17 +182,22 @@ _GGUF_PARTS = {
     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+_GGUF_SANDWICH_PARTS = {  # Gemma's norm names (`ffn_norm` is the MLP's input norm there too)
+    **_GGUF_PARTS, "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GGUF_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str) -> str:
     name = hf_name.removeprefix("model.")
     if name in _GGUF_TOP:
         return _GGUF_TOP[name]
     _, layer, rest = name.split(".", 2)
     part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_PARTS[part]}.{kind}"
+    parts = _GGUF_SANDWICH_PARTS if arch == "gemma3" else _GGUF_PARTS
+    return f"blk.{layer}.{parts[part]}.{kind}"
 
 
 def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
@@ -216,7 +221,12 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if arch == "gemma3":  # its sliding layers' pattern and RoPE base are llama.cpp's constants
+        writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
     for hf_name, param in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -230,11 +240,13 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
         stored = param.numpy()
         if arch in ("llama", "smollm3") and num_heads is not None:  # llama.cpp's Llama order
             stored = llama_cpp_permute(stored, num_heads)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            stored = stored + 1  # llama.cpp's converter stores Gemma's 1 + weight
         if stored.ndim == 2:
-            writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(stored, qtype),
+            writer.add_tensor(_gguf_name(hf_name, arch), gguf.quants.quantize(stored, qtype),
                               raw_dtype=qtype)
         else:
-            writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(stored))
+            writer.add_tensor(_gguf_name(hf_name, arch), np.ascontiguousarray(stored))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

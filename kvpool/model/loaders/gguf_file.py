@@ -56,19 +56,28 @@ _BLOCK_PART_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's norms on both sides of each sublayer: `ffn_norm` is the MLP's input norm there too.
+_SANDWICH_PART_NAMES = {
+    **_BLOCK_PART_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency factors, folded into the config
 
 
-def checkpoint_name(gguf_name: str) -> str:
-    """The checkpoint name of a GGUF tensor name; ValueError for a tensor we cannot place."""
+def checkpoint_name(gguf_name: str, sandwich_norms: bool = False) -> str:
+    """The checkpoint name of a GGUF tensor name (`sandwich_norms`: Gemma's norm names);
+    ValueError for a tensor we cannot place."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
+    parts = _SANDWICH_PART_NAMES if sandwich_norms else _BLOCK_PART_NAMES
     match = _BLOCK_NAME.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_PART_NAMES:
+    if match is None or match.group(2) not in parts:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
     layer, part, kind = match.groups()
-    return f"layers.{layer}.{_BLOCK_PART_NAMES[part]}.{kind}"
+    return f"layers.{layer}.{parts[part]}.{kind}"
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -156,7 +165,7 @@ class GGUFLoader:
         for gguf_name, tensor in self.tensors.items():
             if gguf_name == _ROPE_FREQS:
                 continue
-            name = checkpoint_name(gguf_name)
+            name = checkpoint_name(gguf_name, config.sandwich_norms)
             weight = read_slice(tensor, shard_slice(config, tp, name), device)
             if is_permuted and (".q_proj." in name or ".k_proj." in name):
                 # Whole heads were read: put back each of the local ones.
