@@ -29,7 +29,8 @@ from kvpool.model.layer_spec import LayerSpec, RopeSpec
 if TYPE_CHECKING:
     import torch
 
-ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text"})
+ARCHITECTURES = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
+                           "gemma3_text"})
 ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})  # of the gated MLP: act(gate) * up
 
 # rope_type -> keys it needs. "freq_factors" divides each inverse frequency by a given factor:

@@ -87,12 +87,16 @@ def _llama(config: HFConfig) -> dict[str, Any]:
 
 
 def _mistral(config: HFConfig) -> dict[str, Any]:
+    """Mistral and Ministral: Llama whose layers may attend within a sliding window, every
+    layer (Mistral 7B v0.1) or those `layer_types` marks (Ministral)."""
     _check_refused(config)
     fields = _shared_fields(config)
-    if config.get("sliding_window"):
-        # Full attention equals sliding-window attention up to the window length.
-        fields["max_position_embeddings"] = min(fields["max_position_embeddings"],
-                                                config["sliding_window"])
+    window = config.get("sliding_window")
+    if window:
+        rope = RopeSpec(fields["rope_theta"], fields["rope_scaling"], fields["head_dim"])
+        kinds = config.get("layer_types") or ["sliding_attention"] * fields["num_layers"]
+        fields["layers"] = tuple(LayerSpec(rope, window if kind == "sliding_attention" else None)
+                                 for kind in kinds)
     return fields
 
 
@@ -168,6 +172,7 @@ _READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
     "gemma3_text": _gemma3_text,
     "llama": _llama,
     "mistral": _mistral,
+    "ministral": _mistral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "smollm3": _smollm3,

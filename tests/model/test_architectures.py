@@ -33,15 +33,24 @@ def tiny_hf_config(kind: str, **overrides):
         return transformers.Gemma3TextConfig(**{
             **SHAPE, "num_hidden_layers": 7, "head_dim": 24, "sliding_window": 8,
             "query_pre_attn_scalar": 20, "final_logit_softcapping": 30.0, **overrides})
+    if kind == "mistral":  # every layer windowed (8 tokens, shorter than the prompts)
+        return transformers.MistralConfig(**SHAPE, num_hidden_layers=2, sliding_window=8,
+                                          **overrides)
+    if kind == "ministral":  # windowed and full layers as layer_types says
+        return transformers.MinistralConfig(**{
+            **SHAPE, "num_hidden_layers": 3, "sliding_window": 8, "head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            **overrides})
     raise ValueError(kind)
 
 
 GGUF_ARCHITECTURES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3_text": "gemma3"}
-# What llama.cpp fixes rather than reads: Gemma 3's attention scale is head_dim ** -0.5.
+# The architectures llama.cpp writes with their own name (it writes Mistral as llama, without
+# its window), and what it fixes rather than reads: Gemma 3's attention scale, head_dim ** -0.5.
 GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24}}
 
 
-ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text"]
+ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "mistral", "ministral"]
 
 
 def save_tiny(directory: Path, kind: str, **overrides):
@@ -81,6 +90,9 @@ def test_the_config_keeps_the_architectures_features(checkpoint):
     if kind == "smollm3":
         assert [layer.rope is None for layer in config.layer_specs] == [False, False, False, True]
         assert config.tie_word_embeddings
+    if kind in ("mistral", "ministral"):
+        windows = [layer.sliding_window for layer in config.layer_specs]
+        assert windows == ([8, 8] if kind == "mistral" else [8, None, 8])
     if kind == "gemma3_text":
         windows = [layer.sliding_window for layer in config.layer_specs]
         assert windows == [8, 8, 8, 8, 8, None, 8]
@@ -139,10 +151,11 @@ def test_prompt_logprobs_equal_transformers(checkpoint):
     torch.testing.assert_close(torch.tensor(ours), expected, atol=1e-4, rtol=0)
 
 
-def test_the_gguf_file_matches_transformers(checkpoint, tmp_path):
-    kind, directory, _ = checkpoint
+@pytest.mark.parametrize("kind", sorted(GGUF_ARCHITECTURES))
+def test_the_gguf_file_matches_transformers(kind, tmp_path):
     # write_gguf rounds this copy's weights to what the file holds
-    hf_model = save_tiny(tmp_path / "hf", kind, **GGUF_OVERRIDES.get(kind, {}))
+    directory = tmp_path / "hf"
+    hf_model = save_tiny(directory, kind, **GGUF_OVERRIDES.get(kind, {}))
     path = tmp_path / f"tiny-{kind}.gguf"
     with torch.no_grad():
         write_gguf(path, hf_model, arch=GGUF_ARCHITECTURES[kind], qtype=GGMLQuantizationType.F16)

@@ -59,7 +59,8 @@ def test_from_transformers_qwen2_and_mistral():
     qwen = config_from_hf(Qwen2Config(num_hidden_layers=2).to_dict())
     assert qwen.architecture == "qwen2" and qwen.attention_bias
     mistral = config_from_hf(MistralConfig(sliding_window=4096).to_dict())
-    assert mistral.max_position_embeddings == 4096  # full attention is exact up to the window
+    assert mistral.max_position_embeddings == 131072  # no longer capped at the window
+    assert {layer.sliding_window for layer in mistral.layer_specs} == {4096}
     with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
         config_from_hf(Qwen2Config(use_sliding_window=True).to_dict())
 
