@@ -138,8 +138,8 @@ class Workspace:
 class DecodeGroup:
     """Decode sequences of similar context length, padded together to the longest of them.
 
-    Row i's gathered context starts at its block table's entry `first_blocks[i]` (0 without a
-    sliding window), so column j of `is_valid` is position `first_blocks[i] * block_size + j`."""
+    Row i's gathered context starts at the block its window starts in, b_i (0 without a
+    sliding window), so column j of `is_valid` is position `b_i * block_size + j`."""
 
     rows: torch.Tensor  # [group_size] int64: the sequences' rows among the decodes
     block_tables: torch.Tensor  # [group_size, num_blocks] int: from each row's first block

@@ -171,9 +171,11 @@ def test_every_finite_code_widens_to_its_exact_value(code_dtype, head_dim):
 def test_the_cpu_backend_decodes_a_quantized_cache_with_the_kernel(monkeypatch):
     calls = []
 
-    def counting_decode(*args):
-        calls.append(args[-1] is not None)
-        return paged_decode(*args)
+    def counting_decode(query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales,
+                        sliding_window):
+        calls.append(kv_scales is not None)
+        return paged_decode(query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales,
+                            sliding_window)
 
     monkeypatch.setattr(cpu_backend, "paged_decode", counting_decode)
     block_size, num_kv_heads, head_dim, group_size = 8, 2, 64, 3

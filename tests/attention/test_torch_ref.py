@@ -11,6 +11,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.attention.cpu_backend import CpuAttentionBackend
 from kvpool.attention.kv_write import write_kv_reference
@@ -179,6 +181,28 @@ def test_a_window_as_long_as_the_context_is_full_attention(backend):
                                sliding_window=sliding_window)
         full, _ = run_case(shapes, 8, 3, torch.float32, seed=5, backend=backend)
         assert torch.equal(windowed, full)
+
+
+@st.composite
+def windowed_steps(draw):
+    """A step's (num_cached_tokens, query_len) per sequence, decodes first, a block size, a
+    GQA ratio and a window (None: full)."""
+    num_decodes, num_prefills = draw(st.integers(0, 3)), draw(st.integers(0, 2))
+    decodes = [(draw(st.integers(0, 60)), 1) for _ in range(num_decodes)]
+    prefills = [(draw(st.integers(0, 30)), draw(st.integers(2, 20))) for _ in range(num_prefills)]
+    window = draw(st.none() | st.integers(1, 70))
+    return decodes + prefills or [(0, 1)], draw(st.sampled_from([1, 4, 8, 16])), \
+        draw(st.integers(1, 3)), window
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40, deadline=None, database=None)
+@given(step=windowed_steps())
+def test_any_windowed_step_equals_dense_attention(backend, step):
+    seq_shapes, block_size, group_size, sliding_window = step
+    out, expected = run_case(seq_shapes, block_size, group_size, torch.float32, seed=6,
+                             backend=backend, sliding_window=sliding_window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_decodes_plan_a_group_per_window_gathering_only_the_window():
