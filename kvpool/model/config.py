@@ -7,8 +7,9 @@ tests: `kvpool.model.presets`). Llama 2/3, Mistral, SmolLM2/3, Qwen2, Qwen3 and 
 one decoder; they differ only in the fields below: q/k/v biases (Qwen2), per-head RMSNorm of
 queries and keys before RoPE (`qk_norm`: Qwen3, Gemma 3), Gemma's numerics (norms after
 attention and MLP too, RMSNorm scaling by 1 + weight, GELU-tanh, scaled embeddings, its own
-attention scale, soft-capped logits), and per-layer facts in `layers` (`LayerSpec`: a sliding
-window, its own RoPE, or no positional encoding as in SmolLM3's every fourth layer).
+attention scale, soft-capped logits), mixtures of experts (`moe`: Qwen3-MoE, Mixtral), and
+per-layer facts in `layers` (`LayerSpec`: a sliding window, its own RoPE, or no positional
+encoding as in SmolLM3's every fourth layer; a sparse or a dense MLP).
 
 Invariants (checked in `__post_init__`): every size is positive, `num_heads` is a multiple of
 `num_kv_heads`, `head_dim` is even (rotary embeddings rotate pairs), `rope_scaling` is None or
@@ -29,8 +30,10 @@ from kvpool.model.layer_spec import LayerSpec, RopeSpec
 if TYPE_CHECKING:
     import torch
 
+    from kvpool.model.moe import MoEConfig
+
 ARCHITECTURES = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                           "gemma3_text"})
+                           "gemma3_text", "qwen3_moe", "mixtral"})
 ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})  # of the gated MLP: act(gate) * up
 
 # rope_type -> keys it needs. "freq_factors" divides each inverse frequency by a given factor:
@@ -71,6 +74,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layers: tuple[LayerSpec, ...] = ()  # one per layer; () = all full attention, the model's RoPE
+    moe: MoEConfig | None = None  # the sparse layers' experts (`LayerSpec.sparse_mlp`)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -97,6 +101,8 @@ class ModelConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, "
                              f"got {self.hidden_act!r}")
+        if any(layer.sparse_mlp for layer in self.layers) and self.moe is None:
+            raise ValueError("a layer has a sparse MLP but the model has no experts (moe)")
         if self.layers and len(self.layers) != self.num_layers:
             raise ValueError(f"layers has {len(self.layers)} specs for {self.num_layers} layers")
         for layer in self.layers:

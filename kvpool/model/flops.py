@@ -6,16 +6,20 @@ from __future__ import annotations
 from kvpool.model.config import ModelConfig
 
 
-def layer_weights(config: ModelConfig) -> int:
-    """Weights of one decoder layer's projections (q, k, v, o, gate, up, down)."""
+def layer_weights(config: ModelConfig, layer_id: int = 0) -> int:
+    """Weights one token meets in decoder layer `layer_id`'s projections (q, k, v, o, then
+    the dense MLP's gate, up, down; or a mixture's router and its `top_k` experts')."""
     hidden, heads, kv_heads = config.hidden_size, config.num_heads, config.num_kv_heads
     attention = hidden * config.head_dim * (2 * heads + 2 * kv_heads)
-    return attention + 3 * hidden * config.intermediate_size
+    if not config.layer_specs[layer_id].sparse_mlp:
+        return attention + 3 * hidden * config.intermediate_size
+    moe = config.moe
+    return attention + hidden * (moe.num_experts + 3 * moe.top_k * moe.moe_intermediate_size)
 
 
 def token_flops(config: ModelConfig) -> int:
     """FLOPs of one token through every layer's projections (2 per multiply-add)."""
-    return 2 * config.num_layers * layer_weights(config)
+    return 2 * sum(layer_weights(config, layer_id) for layer_id in range(config.num_layers))
 
 
 def key_flops(config: ModelConfig) -> int:

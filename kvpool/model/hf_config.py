@@ -12,11 +12,13 @@ transformers 4.x and 5.x spell RoPE differently (`rope_theta` + `rope_scaling`, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.layer_spec import LayerSpec, RopeSpec
+from kvpool.model.moe import is_sparse_layer, moe_config_from_hf
 
 HFConfig = Mapping[str, Any]
 
@@ -168,7 +170,33 @@ def _gemma3_ropes(config: HFConfig, head_dim: int) -> dict[str, RopeSpec]:
             "sliding_attention": RopeSpec(local_theta, None, head_dim)}
 
 
+def _with_experts(config: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with the model's experts and which layers use them (`kvpool.model.moe`:
+    transformers' rule; refuses, by field, the MoE features kvpool lacks)."""
+    moe = moe_config_from_hf(dict(config))
+    specs = fields.get("layers") or (
+        LayerSpec(RopeSpec(fields["rope_theta"], fields["rope_scaling"], fields["head_dim"])),
+    ) * fields["num_layers"]
+    layers = tuple(dataclasses.replace(spec, sparse_mlp=is_sparse_layer(dict(config), i))
+                   for i, spec in enumerate(specs))
+    return {**fields, "moe": moe, "layers": layers}
+
+
+def _qwen3_moe(config: HFConfig) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen3's attention; mixtures of experts in the layers `decoder_sparse_step`
+    and `mlp_only_layers` leave sparse."""
+    return _with_experts(config, _qwen3(config))
+
+
+def _mixtral(config: HFConfig) -> dict[str, Any]:
+    """Mixtral: Mistral's attention (a window where `sliding_window` is set); every layer's MLP
+    a mixture of experts."""
+    return _with_experts(config, _mistral(config))
+
+
 _READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
     "gemma3_text": _gemma3_text,
     "llama": _llama,
     "mistral": _mistral,

@@ -1,8 +1,9 @@
-"""What one decoder layer is: its attention span and its positional encoding.
+"""What one decoder layer is: its attention span, its positional encoding, and its MLP.
 
 Models no longer repeat one layer `num_layers` times. Gemma 3 alternates five sliding-window
 layers with one full-attention layer, each kind with its own RoPE base; SmolLM3 leaves every
-fourth layer without any positional encoding (NoPE); Qwen3 may window its upper layers. A
+fourth layer without any positional encoding (NoPE); Qwen3 may window its upper layers;
+Qwen3-MoE may keep some layers' MLPs dense among the mixtures of experts. A
 `ModelConfig` therefore carries one `LayerSpec` per layer (`ModelConfig.layer_specs`), built
 by the readers of `config.json` and of GGUF metadata, and the model builds each layer from its
 own spec.
@@ -38,10 +39,11 @@ class RopeSpec:
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """One decoder layer's attention span and positional encoding."""
+    """One decoder layer's attention span, positional encoding and kind of MLP."""
 
     rope: RopeSpec | None
     sliding_window: int | None = None
+    sparse_mlp: bool = False  # the model's mixture of experts (`ModelConfig.moe`), not dense
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:

@@ -42,6 +42,8 @@ from kvpool.attention.metadata import AttentionMetadata
 from kvpool.kernels import fused
 from kvpool.model.config import ModelConfig
 from kvpool.model.linear import Linear
+from kvpool.model.moe import SparseMoE
+from kvpool.model.moe import shard_slice as moe_shard_slice
 from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes
 from kvpool.model.rope import NO_ROTARY, NoRotary, StepRotary, cos_sin_cache
 
@@ -164,7 +166,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_id, backend, dtype, device, tp)
         self.attn_out_norm = norm(config.sandwich_norms)
         self.mlp_in_norm = norm()
-        self.mlp = MLP(config, dtype, device, tp)
+        self.mlp: MLP | SparseMoE = (SparseMoE(config.moe, dtype, device, tp)
+                                     if config.layer_specs[layer_id].sparse_mlp
+                                     else MLP(config, dtype, device, tp))
         self.mlp_out_norm = norm(config.sandwich_norms)
 
     def checkpoint_norms(self, sandwich: bool) -> dict[str, RMSNorm]:
@@ -296,7 +300,7 @@ class LlamaModel(nn.Module):
     # ------------------------------------------------------------- weights
     def linears(self) -> list[Linear]:
         """Every matmul of the model, the language-model head last."""
-        layers = [(layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down)
+        layers = [(layer.self_attn.qkv, layer.self_attn.o_proj, *_mlp_linears(layer.mlp))
                   for layer in self.layers]
         return [linear for group in layers for linear in group] + [self.lm_head]
 
@@ -331,6 +335,10 @@ class LlamaModel(nn.Module):
             if isinstance(attn.q_norm, HeadNorm):
                 targets[prefix + "self_attn.q_norm.weight"] = attn.q_norm.weight
                 targets[prefix + "self_attn.k_norm.weight"] = attn.k_norm.weight
+            if isinstance(mlp, SparseMoE):  # the Hub's per-expert names
+                for name, tensor in mlp.checkpoint_tensors("per_expert").items():
+                    targets[prefix + name] = tensor
+                continue
             gate, up = mlp.gate_up.weight.split(mlp.intermediate_size, dim=0)
             targets[prefix + "mlp.gate_proj.weight"] = gate
             targets[prefix + "mlp.up_proj.weight"] = up
@@ -402,6 +410,8 @@ def shard_slice(config: ModelConfig, tp: TensorParallel, name: str) -> ShardSlic
     None where it needs all of it: always at tp=1, for norms, for a replicated KV head, and
     for names the model does not know (`load_weights` rejects those). A loader that reads only
     that part gives `load_weights` the shapes it expects; no model is built."""
+    if tp.is_parallel and config.moe is not None and _is_expert_name(config, name):
+        return moe_shard_slice(config.moe, tp, name.split(".", 2)[2])
     split = _SPLITS.get(_module_name(name)) if tp.is_parallel else None
     if split is None:
         return None
@@ -415,6 +425,19 @@ def shard_slice(config: ModelConfig, tp: TensorParallel, name: str) -> ShardSlic
     if len(part) == total:
         return None
     return dim, slice(part.start * width, part.stop * width)
+
+
+def _is_expert_name(config: ModelConfig, name: str) -> bool:
+    """Whether `name` is a tensor of a sparse layer's mixture of experts (router included)."""
+    parts = name.split(".", 3)
+    return (len(parts) == 4 and parts[0] == "layers"
+            and config.layer_specs[int(parts[1])].sparse_mlp
+            and parts[2] == config.moe.names.block)
+
+
+def _mlp_linears(mlp: MLP | SparseMoE) -> tuple[Linear, ...]:
+    """The `Linear`s of a layer's MLP: the dense one's two, or a mixture's router."""
+    return (mlp.gate,) if isinstance(mlp, SparseMoE) else (mlp.gate_up, mlp.down)
 
 
 def _module_name(name: str) -> str:

@@ -123,9 +123,11 @@ def moe_config_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
     if model_type == "mixtral":
         return MoEConfig(hf["hidden_size"], hf["intermediate_size"], hf["num_local_experts"],
                          hf["num_experts_per_tok"], norm_topk_prob=True, names=MIXTRAL_NAMES)
-    if not hf.get("num_experts"):
+    # The Hub's Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts.
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if not num_experts:
         return None
-    return MoEConfig(hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"],
+    return MoEConfig(hf["hidden_size"], hf["moe_intermediate_size"], num_experts,
                      hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", False)))
 
 

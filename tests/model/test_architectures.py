@@ -41,6 +41,15 @@ def tiny_hf_config(kind: str, **overrides):
             **SHAPE, "num_hidden_layers": 3, "sliding_window": 8, "head_dim": 16,
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
             **overrides})
+    if kind == "qwen3_moe":  # 8 experts, top-2 renormalised; layer 1 keeps a dense MLP
+        return transformers.Qwen3MoeConfig(**{
+            **SHAPE, "num_hidden_layers": 3, "head_dim": 24, "moe_intermediate_size": 32,
+            "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "mlp_only_layers": [1], **overrides})
+    if kind == "mixtral":  # 8 experts, top-2, every layer sparse
+        return transformers.MixtralConfig(**{
+            **SHAPE, "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "head_dim": 16, **overrides})
     raise ValueError(kind)
 
 
@@ -50,7 +59,8 @@ GGUF_ARCHITECTURES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3_text": "ge
 GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24}}
 
 
-ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "mistral", "ministral"]
+ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "mistral", "ministral", "qwen3_moe",
+                 "mixtral"]
 
 
 def save_tiny(directory: Path, kind: str, **overrides):
@@ -90,6 +100,10 @@ def test_the_config_keeps_the_architectures_features(checkpoint):
     if kind == "smollm3":
         assert [layer.rope is None for layer in config.layer_specs] == [False, False, False, True]
         assert config.tie_word_embeddings
+    if kind in ("qwen3_moe", "mixtral"):
+        assert config.moe.num_experts == 8 and config.moe.top_k == 2
+        sparse = [layer.sparse_mlp for layer in config.layer_specs]
+        assert sparse == ([True, False, True] if kind == "qwen3_moe" else [True, True])
     if kind in ("mistral", "ministral"):
         windows = [layer.sliding_window for layer in config.layer_specs]
         assert windows == ([8, 8] if kind == "mistral" else [8, None, 8])
