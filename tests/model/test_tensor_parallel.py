@@ -42,6 +42,10 @@ TINY_CONFIGS = {
     "qwen2-gqa": TINY.replace(architecture="qwen2", num_kv_heads=1, tie_word_embeddings=True,
                               attention_bias=True),
 }
+# Checkpoints written by transformers, for what the configs above cannot say: a mixture of
+# experts beside a dense layer, QK-norm, sliding windows, Gemma's norms (each keeps the shape
+# of tests/model/test_architectures.py, with a vocabulary the steps' token ids fit).
+HF_KINDS = ("gemma3_text", "qwen3_moe")
 # Two sequences: step 1 prefills both, step 2 decodes the first and continues the second.
 STEPS = [
     [SequenceChunk([5, 17, 42, 7, 99, 3], 0, [3, 1]),
@@ -83,8 +87,8 @@ def _rank_main(rank: int, size: int, port: int, sources: dict, out_dir: str) -> 
 def _shapes(model) -> dict[str, tuple[int, ...]]:
     """The embedding's shape and each of layer 0's matmuls' (out_features, in_features)."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    linears = {"qkv": attn.qkv, "o_proj": attn.o_proj, "gate_up": mlp.gate_up,
-               "down": mlp.down, "lm_head": model.lm_head}
+    linears = {"qkv": attn.qkv, "o_proj": attn.o_proj, "lm_head": model.lm_head,
+               **({"gate_up": mlp.gate_up, "down": mlp.down} if hasattr(mlp, "down") else {})}
     shapes = {name: (linear.out_features, linear.in_features) for name, linear in linears.items()}
     return {"embed_tokens": tuple(model.embed_tokens.shape), **shapes}
 
@@ -117,8 +121,15 @@ def assert_same_logits(sharded: torch.Tensor, reference: torch.Tensor, atol: flo
 # ------------------------------------------------------------------ spawned ranks
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    from tests.model.test_architectures import save_tiny
+
     root = tmp_path_factory.mktemp("tp_checkpoints")
-    return {key: save_hf_checkpoint(root / key, config) for key, config in TINY_CONFIGS.items()}
+    checkpoints = {key: save_hf_checkpoint(root / key, config)
+                   for key, config in TINY_CONFIGS.items()}
+    for kind in HF_KINDS:
+        save_tiny(root / kind, kind, vocab_size=512)
+        checkpoints[kind] = root / kind
+    return checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +138,7 @@ def two_ranks(tiny_checkpoints, tmp_path_factory) -> list[dict]:
     return run_ranks(2, sources, tmp_path_factory.mktemp("tp2"))
 
 
-@pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("key", sorted(TINY_CONFIGS) + sorted(HF_KINDS))
 def test_safetensors_shards_compute_the_tp1_logits(two_ranks, tiny_checkpoints, key):
     assert two_ranks[1][key]["logits"] is None  # only rank 0 gets logits
     assert_same_logits(two_ranks[0][key]["logits"], tp1_logits(tiny_checkpoints[key]), 1e-4)
