@@ -77,4 +77,30 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, rope_theta=5000000.0, max_position_embeddings=65536,
         tie_word_embeddings=True, eos_token_id=128012, no_rope_layer_interval=4,
     )),
+    "qwen3-30b-a3b": config_from_hf(dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645,
+    )),
+    "gemma-3-1b": config_from_hf(dict(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+        num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=[1, 106], hidden_activation="gelu_pytorch_tanh",
+    )),
+    # The text decoder of Gemma 3 4B (a multimodal checkpoint's text_config).
+    "gemma-3-4b": config_from_hf(dict(
+        model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+        num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+        rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rope_local_base_freq=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
+        hidden_activation="gelu_pytorch_tanh",
+    )),
 }

@@ -15,7 +15,7 @@ from kvpool.model.loaders import load_model
 from kvpool.model.presets import PRESETS
 from tests.model.test_loaders import kvpool_step_logits
 
-NEW_PRESETS = ["llama-3.2-1b", "qwen3-0.6b", "qwen3-4b", "smollm3-3b"]
+NEW_PRESETS = ["llama-3.2-1b", "qwen3-0.6b", "qwen3-4b", "smollm3-3b", "gemma-3-1b", "gemma-3-4b"]
 
 
 def resident_bytes() -> int:
@@ -36,3 +36,17 @@ def test_a_real_shape_preset_loads_and_steps_within_its_weights_memory(name):
     # copy of a matrix left behind.
     assert resident_bytes() - before < weight_bytes + (1 << 30)
     assert loaded.model.embed_tokens.dtype == torch.bfloat16
+
+
+def test_the_moe_preset_has_qwen3_30b_a3bs_total_and_active_parameters():
+    # 30.5B parameters, 3.3B of them active per token (Qwen's model card); 61 GB in bf16, so
+    # only its shapes are checked here.
+    from kvpool.model.flops import layer_weights
+
+    config = PRESETS["qwen3-30b-a3b"]
+    total = sum(math.prod(shape) for shape in checkpoint_shapes(config).values())
+    active = (sum(layer_weights(config, i) for i in range(config.num_layers))
+              + 2 * config.vocab_size * config.hidden_size)  # embedding and LM head
+    assert round(total / 1e9, 1) == 30.5 and abs(active / 1e9 - 3.3) < 0.1
+    assert all(layer.sparse_mlp for layer in config.layer_specs)
+
