@@ -39,9 +39,19 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Multimodal checkpoints whose text decoder kvpool serves (text in, text out): model_type ->
+# the text decoder's model_type, read from the checkpoint's `text_config`.
+MULTIMODAL_TEXT_DECODERS = {"gemma3": "gemma3_text"}
+
+
 def config_from_hf(config: HFConfig) -> ModelConfig:
-    """The `ModelConfig` of a HuggingFace `config.json`; `UnsupportedFeature` (a ValueError)
-    naming the field for anything kvpool would compute differently."""
+    """The `ModelConfig` of a HuggingFace `config.json` (of the text decoder, for a multimodal
+    checkpoint); `UnsupportedFeature` (a ValueError) naming the field for anything kvpool
+    would compute differently."""
+    text_type = MULTIMODAL_TEXT_DECODERS.get(config.get("model_type"))
+    if text_type is not None:
+        shared = {key: config[key] for key in ("tie_word_embeddings",) if key in config}
+        config = {**shared, **config.get("text_config", {}), "model_type": text_type}
     model_type = config.get("model_type", "llama")
     reader = _READERS.get(model_type)
     if reader is None:

@@ -200,3 +200,33 @@ def test_a_feature_kvpool_lacks_is_refused_by_name(kind, field, value):
 def test_an_unknown_architecture_is_refused_by_name():
     with pytest.raises(UnsupportedFeature, match="unsupported architecture 'gemma2'"):
         config_from_hf({"model_type": "gemma2"})
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_decoder(tmp_path):
+    # Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: a text decoder beside a
+    # SigLIP vision tower. kvpool loads the decoder alone; on text its logits are the model's.
+    import transformers
+
+    # No final soft-capping: transformers' multimodal class does not apply it (its causal LM
+    # does), and the released checkpoints set none.
+    text = tiny_hf_config("gemma3_text", final_logit_softcapping=None)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=255,
+                                       boi_token_index=253, eoi_token_index=254)
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.2)
+    hf_model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.config.architecture == "gemma3_text" and loaded.config.sandwich_norms
+    token_ids = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    split = [20, *range(21, 30)]
+    ours = kvpool_step_logits(loaded, token_ids, split)
+    reference = hf_logits_at(hf_model, token_ids, [end - 1 for end in [*split, 30]])
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-5)
+

@@ -18,13 +18,16 @@ import torch
 from safetensors import safe_open
 
 from kvpool.model.config import ModelConfig
-from kvpool.model.hf_config import config_from_hf
+from kvpool.model.hf_config import MULTIMODAL_TEXT_DECODERS, config_from_hf
 from kvpool.model.llama import shard_slice
 from kvpool.model.parallel import ShardSlice, TensorParallel
 from kvpool.model.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Where a multimodal checkpoint keeps its text decoder: the Hub's files (what transformers 5
+# writes too), then transformers 5's in-memory names.
+_TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -80,12 +83,22 @@ class SafetensorsLoader:
         for path in sorted(self.directory.glob("*.safetensors")):
             with safe_open(str(path), framework="pt", device=str(device)) as file:
                 for hf_name in file.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    name = hf_name.removeprefix("model.")
-                    if name.endswith(_IGNORED_SUFFIXES):
+                    name = self._checkpoint_name(hf_name)
+                    if name is None or name.endswith(_IGNORED_SUFFIXES):
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: the embedding matrix is the LM head
                     yield name, _read(file, hf_name, shard_slice(config, tp, name))
+
+    def _checkpoint_name(self, hf_name: str) -> str | None:
+        """The model's name for a tensor of this directory; None for a tensor of a multimodal
+        checkpoint's other towers (vision encoder, projector), which are not loaded."""
+        if self.hf_config.get("model_type") not in MULTIMODAL_TEXT_DECODERS:
+            return hf_name.removeprefix("model.")
+        for prefix in _TEXT_DECODER_PREFIXES:
+            if hf_name.startswith(prefix):
+                return hf_name.removeprefix(prefix)
+        return "lm_head.weight" if hf_name.endswith("lm_head.weight") else None
 
     def load_tokenizer(self) -> Tokenizer | None:
         if not any((self.directory / name).is_file() for name in _TOKENIZER_FILES):
