@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvpool.model.moe import MoEConfig
 
 ARCHITECTURES = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                           "gemma3_text", "qwen3_moe", "mixtral"})
+                           "gemma3_text", "qwen3_moe", "mixtral", "phi3"})
 ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})  # of the gated MLP: act(gate) * up
 
 # rope_type -> keys it needs. "freq_factors" divides each inverse frequency by a given factor:
@@ -45,6 +45,7 @@ ROPE_TYPES: dict[str, frozenset[str]] = {
         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     ),
     "freq_factors": frozenset({"freq_factors"}),
+    "longrope": frozenset({"short_factor", "long_factor", "original_max_position_embeddings"}),
 }
 
 
@@ -71,6 +72,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # embeddings × this, in the model's dtype (Gemma: √hidden)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap · tanh(logits / cap) (Gemma)
+    fused_projections: bool = False  # checkpoints hold qkv_proj and gate_up_proj (Phi-3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layers: tuple[LayerSpec, ...] = ()  # one per layer; () = all full attention, the model's RoPE

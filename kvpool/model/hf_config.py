@@ -180,6 +180,27 @@ def _gemma3_ropes(config: HFConfig, head_dim: int) -> dict[str, RopeSpec]:
             "sliding_attention": RopeSpec(local_theta, None, head_dim)}
 
 
+def _phi3(config: HFConfig) -> dict[str, Any]:
+    """Phi-3, Phi-3.5, Phi-4-mini: Llama whose checkpoints fuse q/k/v and gate/up, rotating
+    the leading `partial_rotary_factor` of each head (Phi-4-mini: 0.75), with LongRoPE's
+    short and long factors; a sliding window on every layer where `sliding_window` is set."""
+    _check_refused(config, {"partial_rotary_factor": None})
+    fields = _shared_fields(config)
+    params = config.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+    scaling = fields["rope_scaling"]
+    if scaling is not None:
+        scaling = {key: value for key, value in scaling.items() if key != "partial_rotary_factor"}
+        if scaling["rope_type"] == "longrope":
+            original = scaling.get("original_max_position_embeddings",
+                                   config.get("original_max_position_embeddings"))
+            scaling["original_max_position_embeddings"] = original
+    rope = RopeSpec(fields["rope_theta"], scaling, int(fields["head_dim"] * partial))
+    window = config.get("sliding_window")
+    layers = tuple(LayerSpec(rope, window) for _ in range(fields["num_layers"]))
+    return {**fields, "rope_scaling": scaling, "layers": layers, "fused_projections": True}
+
+
 def _with_experts(config: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
     """`fields` with the model's experts and which layers use them (`kvpool.model.moe`:
     transformers' rule; refuses, by field, the MoE features kvpool lacks)."""
@@ -205,6 +226,7 @@ def _mixtral(config: HFConfig) -> dict[str, Any]:
 
 
 _READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
+    "phi3": _phi3,
     "qwen3_moe": _qwen3_moe,
     "mixtral": _mixtral,
     "gemma3_text": _gemma3_text,

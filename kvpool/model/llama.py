@@ -324,6 +324,12 @@ class LlamaModel(nn.Module):
             q, k, v = attn.q_size, attn.kv_size, attn.kv_size
             for norm_name, norm in layer.checkpoint_norms(self.config.sandwich_norms).items():
                 targets[prefix + norm_name + ".weight"] = norm.weight
+            if self.config.fused_projections:  # Phi-3: the fused parameters as they are
+                targets[prefix + "self_attn.qkv_proj.weight"] = attn.qkv.weight
+                targets[prefix + "self_attn.o_proj.weight"] = attn.o_proj.weight
+                targets[prefix + "mlp.gate_up_proj.weight"] = mlp.gate_up.weight
+                targets[prefix + "mlp.down_proj.weight"] = mlp.down.weight
+                continue
             for kind, qkv in (("weight", attn.qkv.weight), ("bias", attn.qkv.bias)):
                 if qkv is None:
                     continue

@@ -59,12 +59,41 @@ def cos_sin_cache(
     scaling: Mapping[str, Any] | None = None,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each (position, dimension) angle, float32. # [max_positions, head_dim] each"""
+    """cos and sin of each (position, dimension) angle, float32. # [max_positions, head_dim] each
+
+    `head_dim` is the rotated width (less than the head for partial rotary). LongRoPE (Phi-3)
+    rotates each position by the short factors below `original_max_position_embeddings` and
+    by the long ones from there on, both scaled by its attention factor: a token's rotation
+    depends on its position only, as in transformers' cached decoding (its uncached forward
+    of a sequence longer than that switches every position to the long factors)."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return _longrope_cache(head_dim, theta, max_positions, scaling, device)
     inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
-    positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
-    angles = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+    return _cos_sin(inv_freq, torch.arange(max_positions, device=device))
+
+
+def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.outer(positions.float(), inv_freq)  # [positions, dim // 2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def _longrope_cache(head_dim: int, theta: float, max_positions: int,
+                    scaling: Mapping[str, Any], device: torch.device | str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    tables = []
+    for key, positions in (("short_factor", range(min(original, max_positions))),
+                           ("long_factor", range(original, max_positions))):
+        factors = torch.tensor(scaling[key], dtype=torch.float32)
+        inv_freq = (1.0 / (factors * theta**exponents)).to(device)
+        tables.append(_cos_sin(inv_freq, torch.tensor(positions, device=device)))
+    cos, sin = (torch.cat(parts) * attention_factor for parts in zip(*tables, strict=True))
+    return cos, sin
 
 
 class StepRotary:
@@ -80,6 +109,7 @@ class StepRotary:
         self._rows: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def apply_(self, x: torch.Tensor) -> None:
+        x = x[..., : self.cos.shape[-1]]  # partial rotary: the leading dimensions only (a view)
         if fused.is_served(x):
             fused.rotary_(x, self.positions, self.cos, self.sin)
             return

@@ -50,6 +50,16 @@ def tiny_hf_config(kind: str, **overrides):
         return transformers.MixtralConfig(**{
             **SHAPE, "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 8,
             "num_experts_per_tok": 2, "head_dim": 16, **overrides})
+    if kind == "phi3":  # fused projections; 3/4 of each head rotates; LongRoPE factors
+        rotated = 12  # of head_dim 16
+        return transformers.Phi3Config(**{
+            **SHAPE, "num_hidden_layers": 2, "partial_rotary_factor": 0.75,
+            "max_position_embeddings": 512, "original_max_position_embeddings": 128,
+            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+            "rope_scaling": {"rope_type": "longrope",
+                             "short_factor": [1.0 + 0.2 * i for i in range(rotated // 2)],
+                             "long_factor": [3.0 + 0.5 * i for i in range(rotated // 2)]},
+            **overrides})
     raise ValueError(kind)
 
 
@@ -60,7 +70,7 @@ GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24}}
 
 
 ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "mistral", "ministral", "qwen3_moe",
-                 "mixtral"]
+                 "mixtral", "phi3"]
 
 
 def save_tiny(directory: Path, kind: str, **overrides):
@@ -100,6 +110,9 @@ def test_the_config_keeps_the_architectures_features(checkpoint):
     if kind == "smollm3":
         assert [layer.rope is None for layer in config.layer_specs] == [False, False, False, True]
         assert config.tie_word_embeddings
+    if kind == "phi3":
+        assert {layer.rope.rotary_dim for layer in config.layer_specs} == {12}
+        assert config.rope_scaling["rope_type"] == "longrope" and config.fused_projections
     if kind in ("qwen3_moe", "mixtral"):
         assert config.moe.num_experts == 8 and config.moe.top_k == 2
         sparse = [layer.sparse_mlp for layer in config.layer_specs]
@@ -229,4 +242,26 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_decoder(tmp_path):
     ours = kvpool_step_logits(loaded, token_ids, split)
     reference = hf_logits_at(hf_model, token_ids, [end - 1 for end in [*split, 30]])
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-5)
+
+
+def test_longrope_switches_to_the_long_factors_past_the_original_context(tmp_path):
+    # transformers' cached decoding rotates each new token by its position's factors: short
+    # up to original_max_position_embeddings (128 here), long after. A 120-token prompt and 16
+    # greedy tokens cross it.
+    hf_model = save_tiny(tmp_path, "phi3")
+    prompt = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.inference_mode():
+        out = hf_model(torch.tensor([prompt]), use_cache=True)
+        expected = []
+        for _ in range(16):
+            expected.append(int(out.logits[0, -1].argmax()))
+            out = hf_model(torch.tensor([[expected[-1]]]), cache=out.past_key_values,
+                           use_cache=True)
+    from kvpool import LLM, SamplingParams
+
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=1 << 24)
+    output = llm.generate([{"prompt_token_ids": prompt}],
+                          SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == expected
 
