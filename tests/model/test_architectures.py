@@ -53,10 +53,13 @@ def tiny_hf_config(kind: str, **overrides):
     raise ValueError(kind)
 
 
-GGUF_ARCHITECTURES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3_text": "gemma3"}
-# The architectures llama.cpp writes with their own name (it writes Mistral as llama, without
-# its window), and what it fixes rather than reads: Gemma 3's attention scale, head_dim ** -0.5.
-GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24}}
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3_text": "gemma3",
+                      "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# The architectures llama.cpp writes with their own name or as llama with experts (Mixtral; it
+# writes Mistral as llama, without its window), and what it fixes rather than reads: Gemma 3's
+# attention scale, head_dim ** -0.5; Qwen3-MoE's every layer sparse (no mlp_only_layers).
+GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24},
+                  "qwen3_moe": {"mlp_only_layers": []}}
 
 
 ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "mistral", "ministral", "qwen3_moe",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,10 @@ _GGUF_SANDWICH_PARTS = {  # Gemma's norm names (`ffn_norm` is the MLP's input no
 }
 _GGUF_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
+# transformers' in-memory MoE tensors (Qwen3-MoE and Mixtral alike) -> llama.cpp's parts.
+_GGUF_MOE_PARTS = {"mlp.gate.weight": ["ffn_gate_inp"],
+                   "mlp.experts.gate_up_proj": ["ffn_gate_exps", "ffn_up_exps"],
+                   "mlp.experts.down_proj": ["ffn_down_exps"]}
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
@@ -200,11 +205,37 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{parts[part]}.{kind}"
 
 
+def _gguf_tensors(hf_name: str, weight: np.ndarray, arch: str) -> list[tuple[str, np.ndarray]]:
+    """llama.cpp's tensors for one `state_dict()` entry. Experts, fused in memory
+    (`gate_up_proj` [E, 2I, H]: each expert's gate rows, then its up rows), are written as the
+    converter writes them: stacked per projection, the gate's and the up's apart."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    if match is None or match.group(2) not in _GGUF_MOE_PARTS:
+        return [(_gguf_name(hf_name, arch), weight)]
+    layer, parts = match.group(1), _GGUF_MOE_PARTS[match.group(2)]
+    pieces = np.split(weight, len(parts), axis=1) if len(parts) > 1 else [weight]
+    return [(f"blk.{layer}.{part}.weight", np.ascontiguousarray(piece))
+            for part, piece in zip(parts, pieces, strict=True)]
+
+
+def _add_experts(writer, config) -> None:
+    """llama.cpp's MoE keys: Qwen3-MoE's expert width has its own key; Mixtral's experts are
+    `feed_forward_length` wide (its `intermediate_size`)."""
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    if not num_experts:
+        return
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+
 def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
                sampling: dict | None = None) -> None:
-    """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama and smollm3), matrices
-    in `qtype`; round `hf_model`'s own weights the same way so it stays the exact reference.
-    `sampling`: `general.sampling.<key>` values (e.g. {"temp": 0.6})."""
+    """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama and smollm3; experts
+    stacked, the router kept float32 as the converter keeps it), matrices in `qtype`; round
+    `hf_model`'s own weights the same way so it stays the exact reference. `sampling`:
+    `general.sampling.<key>` values (e.g. {"temp": 0.6})."""
     import gguf
 
     config = hf_model.config
@@ -228,11 +259,13 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
         if config.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
+    _add_experts(writer, config)
     for hf_name, param in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         weight = param.numpy()
-        if weight.ndim == 2:
+        is_router = hf_name.endswith("mlp.gate.weight")
+        if weight.ndim >= 2 and not is_router:  # rows quantized alike, stacked or not
             raw = gguf.quants.quantize(weight, qtype)
             param.copy_(torch.from_numpy(gguf_dequantize(raw, qtype).reshape(weight.shape)))
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
@@ -242,11 +275,11 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
             stored = llama_cpp_permute(stored, num_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             stored = stored + 1  # llama.cpp's converter stores Gemma's 1 + weight
-        if stored.ndim == 2:
-            writer.add_tensor(_gguf_name(hf_name, arch), gguf.quants.quantize(stored, qtype),
-                              raw_dtype=qtype)
-        else:
-            writer.add_tensor(_gguf_name(hf_name, arch), np.ascontiguousarray(stored))
+        for gguf_name, tensor in _gguf_tensors(hf_name, stored, arch):
+            if tensor.ndim >= 2 and not is_router:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(gguf_name, np.ascontiguousarray(tensor))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
