@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +24,15 @@ from kvpool.memory.kv_cache import KVCache
 from kvpool.model.config import ModelConfig
 from kvpool.model.loaders import detect_load_format, load_model, make_loader
 from kvpool.model.loaders.dequant import KERNELS, dequantize
-from kvpool.model.loaders.gguf_file import checkpoint_name, unpermute_rows
+from kvpool.model.loaders.gguf_file import (
+    checkpoint_name,
+    dequantize_tensor,
+    expert_names,
+    read_slice,
+    unpermute_rows,
+)
+from kvpool.model.moe import MIXTRAL_NAMES, MoEConfig
+from kvpool.model.parallel import take_slice
 
 Q = GGMLQuantizationType
 # Byte offsets of each block's float16 scale/min fields: random bytes there could be inf/NaN.
@@ -84,12 +93,33 @@ def test_unpermute_undoes_llama_cpp_permutation(shape):
     assert torch.equal(unpermute_rows(permuted, num_heads=3), torch.from_numpy(weight))
 
 
+@pytest.mark.parametrize("spec", [(1, slice(2, 5)), (2, slice(32, 96)), (2, slice(16, 80)),
+                                  (0, slice(1, 3))], ids=["rows", "columns", "unaligned", "stack"])
+def test_a_stacked_gguf_tensor_is_sliced_in_every_expert(spec):
+    from gguf.quants import quantize
+
+    weights = np.random.default_rng(0).standard_normal((3, 6, 128)).astype(np.float32)
+    tensor = SimpleNamespace(name="t", tensor_type=Q.Q8_0, shape=np.array([128, 6, 3]),
+                             data=quantize(weights, Q.Q8_0))
+    assert torch.equal(read_slice(tensor, spec), take_slice(dequantize_tensor(tensor), spec))
+
+
 def test_gguf_names_map_to_checkpoint_names():
     assert checkpoint_name("token_embd.weight") == "embed_tokens.weight"
     assert checkpoint_name("blk.7.attn_q.bias") == "layers.7.self_attn.q_proj.bias"
     assert checkpoint_name("blk.0.ffn_norm.weight") == "layers.0.post_attention_layernorm.weight"
     with pytest.raises(ValueError, match=r"'blk\.0\.ffn_gate_exps\.weight'"):
         checkpoint_name("blk.0.ffn_gate_exps.weight")
+    # Mixtral: the router under its block's name, each stacked tensor as one name per expert.
+    moe = MoEConfig(64, 32, 3, 2, norm_topk_prob=True, names=MIXTRAL_NAMES)
+    assert (checkpoint_name("blk.2.ffn_gate_inp.weight", experts=MIXTRAL_NAMES)
+            == "layers.2.block_sparse_moe.gate.weight")
+    assert expert_names("blk.2.ffn_down_exps.weight", moe) == [
+        f"layers.2.block_sparse_moe.experts.{e}.w2.weight" for e in range(3)]
+    assert expert_names("blk.2.ffn_up_exps.weight", moe)[1] == (
+        "layers.2.block_sparse_moe.experts.1.w3.weight")
+    assert expert_names("blk.2.ffn_up_exps.weight", None) is None  # a dense model
+    assert expert_names("blk.2.ffn_gate_inp.weight", moe) is None
 
 
 # ------------------------------------------------------------ safetensors round trip
