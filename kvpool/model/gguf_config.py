@@ -10,22 +10,36 @@ all fixed in llama.cpp.
 GGUF's `gemma3` is kvpool's `gemma3_text` (transformers' name for the text decoder). llama.cpp's
 converter adds Gemma's 1 to every RMSNorm weight as it writes them, so the file's norms need no
 offset (`norm_offset` 0).
+
+Mixtures of experts, as llama.cpp runs them (`src/models/qwen3moe.cpp`, `src/models/llama.cpp`):
+`qwen3moe` is kvpool's `qwen3_moe`; `llama` with `expert_count` > 0 is Mixtral. Every layer is
+sparse: llama.cpp requires each layer's router and stacked experts and has no `mlp_only_layers`
+(a file lacking a layer's router is refused). It always renormalises the top-k weights
+(`build_moe_ffn(..., norm_w=true, ...)` for both, whatever `expert_weights_norm` says) after a
+softmax over the router logits. Each expert's width is `expert_feed_forward_length` for qwen3moe
+(else `feed_forward_length / expert_used_count`, llama.cpp's fallback) and `feed_forward_length`
+for Mixtral. Shared experts, a weight scale other than 1 and a gating function other than softmax
+are refused by key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.hf_config import UnsupportedFeature
 from kvpool.model.layer_spec import LayerSpec, RopeSpec
+from kvpool.model.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES, MoEConfig
 
 SMOLLM3_NO_ROPE_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for smollm3
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every sixth gemma3 layer is full attention
 GEMMA3_SLIDING_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
-_KVPOOL_NAMES = {"gemma3": "gemma3_text"}  # GGUF architecture -> kvpool's (HF model_type)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "qwen3moe")
+# GGUF architecture -> kvpool's (HF model_type); `llama` with experts is `mixtral`.
+_KVPOOL_NAMES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+_SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX
 
 
 def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
@@ -38,11 +52,13 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str])
     def key(suffix: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{suffix}", default)
 
-    config = ModelConfig(architecture=_KVPOOL_NAMES.get(arch, arch),
-                         **_shared_fields(metadata, key, tensor_names))
+    moe = _experts(arch, key)
+    name = "mixtral" if arch == "llama" and moe is not None else _KVPOOL_NAMES.get(arch, arch)
+    config = ModelConfig(architecture=name, **_shared_fields(metadata, key, tensor_names))
     if arch == "gemma3":
         return _gemma3(config, key)
-    return _ARCH_FIELDS.get(arch, lambda config, names: config)(config, tensor_names)
+    config = _ARCH_FIELDS.get(arch, lambda config, names: config)(config, tensor_names)
+    return config if moe is None else _every_layer_sparse(config, moe, tensor_names)
 
 
 def _shared_fields(metadata: Mapping[str, Any], key: Callable[..., Any],
@@ -101,9 +117,46 @@ def _gemma3(config: ModelConfig, key: Callable[..., Any]) -> ModelConfig:
         final_logit_softcapping=key("final_logit_softcapping"))
 
 
+def _experts(arch: str, key: Callable[..., Any]) -> MoEConfig | None:
+    """The experts of a `qwen3moe` file or of a `llama` one with `expert_count` > 0 (Mixtral);
+    None for a dense model. UnsupportedFeature naming a key whose routing kvpool lacks."""
+    num_experts = key("expert_count") or 0
+    if arch not in ("qwen3moe", "llama") or num_experts == 0:
+        if num_experts:
+            raise UnsupportedFeature(f"GGUF {arch}.expert_count={num_experts}: experts are "
+                                     "implemented for qwen3moe and llama (Mixtral) only")
+        return None
+    refused = {"expert_shared_count": (None, 0), "expert_weights_scale": (None, 0.0, 1.0),
+               "expert_gating_func": (None, _SOFTMAX_GATING)}
+    for suffix, accepted in refused.items():
+        if key(suffix) not in accepted:
+            raise UnsupportedFeature(f"GGUF {arch}.{suffix}={key(suffix)!r} is not supported")
+    top_k, ffn = key("expert_used_count"), key("feed_forward_length")
+    if arch == "llama":
+        return MoEConfig(key("embedding_length"), ffn, num_experts, top_k, norm_topk_prob=True,
+                         names=MIXTRAL_NAMES)
+    width = key("expert_feed_forward_length") or ffn // top_k
+    return MoEConfig(key("embedding_length"), width, num_experts, top_k, norm_topk_prob=True,
+                     names=QWEN3_MOE_NAMES)
+
+
+def _every_layer_sparse(config: ModelConfig, moe: MoEConfig,
+                        tensor_names: Collection[str]) -> ModelConfig:
+    """`config` with `moe` in every layer, as llama.cpp builds it; UnsupportedFeature for a
+    layer without a router (a dense layer, which llama.cpp cannot load either)."""
+    dense = [i for i in range(config.num_layers)
+             if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    if dense:
+        raise UnsupportedFeature(f"GGUF layers {dense} have no experts (blk.N.ffn_gate_inp): "
+                                 "dense layers beside sparse ones are not supported in GGUF")
+    layers = tuple(dataclasses.replace(spec, sparse_mlp=True) for spec in config.layer_specs)
+    return config.replace(moe=moe, layers=layers)
+
+
 _ARCH_FIELDS: dict[str, Callable[[ModelConfig, Collection[str]], ModelConfig]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "qwen3moe": _qwen3,
     "smollm3": _smollm3,
 }
 

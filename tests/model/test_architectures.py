@@ -11,8 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from kvpool.model.gguf_config import config_from_gguf
 from kvpool.model.hf_config import UnsupportedFeature, config_from_hf
-from kvpool.model.loaders import load_model
+from kvpool.model.llama import checkpoint_shapes, shard_slice
+from kvpool.model.loaders import load_model, make_loader
+from kvpool.model.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES, MoEConfig
+from kvpool.model.parallel import TensorParallel, take_slice
 from tests.model.test_loaders import kvpool_step_logits, write_gguf
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -63,10 +67,13 @@ def tiny_hf_config(kind: str, **overrides):
     raise ValueError(kind)
 
 
-GGUF_ARCHITECTURES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3_text": "gemma3"}
-# The architectures llama.cpp writes with their own name (it writes Mistral as llama, without
-# its window), and what it fixes rather than reads: Gemma 3's attention scale, head_dim ** -0.5.
-GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24}}
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3_text": "gemma3",
+                      "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# The architectures llama.cpp writes with their own name or as llama with experts (Mixtral; it
+# writes Mistral as llama, without its window), and what it fixes rather than reads: Gemma 3's
+# attention scale, head_dim ** -0.5; Qwen3-MoE's every layer sparse (no mlp_only_layers).
+GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24},
+                  "qwen3_moe": {"mlp_only_layers": []}}
 
 
 ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "mistral", "ministral", "qwen3_moe",
@@ -186,13 +193,76 @@ def test_the_gguf_file_matches_transformers(kind, tmp_path):
     path = tmp_path / f"tiny-{kind}.gguf"
     with torch.no_grad():
         write_gguf(path, hf_model, arch=GGUF_ARCHITECTURES[kind], qtype=GGMLQuantizationType.F16)
-    loaded = load_model(path)
-    assert loaded.config.layer_specs == load_model(directory).config.layer_specs
+    loaded, hf_config = load_model(path), load_model(directory).config
+    assert loaded.config.layer_specs == hf_config.layer_specs  # Qwen3-MoE: every layer sparse
+    assert loaded.config.moe == hf_config.moe  # None for the dense models
     token_ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     split = [12, 17, 18, 19]
     ours = kvpool_step_logits(loaded, token_ids, split)
     reference = hf_logits_at(hf_model, token_ids, [end - 1 for end in [*split, 20]])
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-5)
+
+
+QWEN3MOE_METADATA = {
+    "general.architecture": "qwen3moe", "qwen3moe.block_count": 2,
+    "qwen3moe.embedding_length": 64, "qwen3moe.feed_forward_length": 96,
+    "qwen3moe.attention.head_count": 4, "qwen3moe.expert_count": 8,
+    "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 32,
+    "tokenizer.ggml.tokens": ["a"] * 256,
+}
+QWEN3MOE_TENSORS = ["token_embd.weight", "blk.0.attn_q_norm.weight",
+                    "blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight"]
+
+
+def test_a_qwen3moe_gguf_has_experts_in_every_layer_top_k_renormalised():
+    config = config_from_gguf(QWEN3MOE_METADATA, QWEN3MOE_TENSORS)
+    assert config.architecture == "qwen3_moe" and config.qk_norm
+    assert config.moe == MoEConfig(64, 32, 8, 2, norm_topk_prob=True, names=QWEN3_MOE_NAMES)
+    assert [layer.sparse_mlp for layer in config.layer_specs] == [True, True]
+    # Without the expert width, llama.cpp's fallback: feed_forward_length / expert_used_count.
+    metadata = {k: v for k, v in QWEN3MOE_METADATA.items() if "expert_feed" not in k}
+    assert config_from_gguf(metadata, QWEN3MOE_TENSORS).moe.moe_intermediate_size == 48
+    as_llama = {key.replace("qwen3moe", "llama"): value for key, value in metadata.items()}
+    mixtral = config_from_gguf({**as_llama, "general.architecture": "llama"}, QWEN3MOE_TENSORS)
+    assert mixtral.architecture == "mixtral" and mixtral.moe.names == MIXTRAL_NAMES
+    assert mixtral.moe.moe_intermediate_size == 96  # Mixtral's experts: feed_forward_length
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"qwen3moe.expert_shared_count": 1}, "expert_shared_count=1"),
+    ({"qwen3moe.expert_weights_scale": 2.5}, "expert_weights_scale=2.5"),
+    ({"qwen3moe.expert_gating_func": 2}, "expert_gating_func=2"),  # sigmoid
+    ({"general.architecture": "qwen3", "qwen3.expert_count": 8}, "qwen3.expert_count=8"),
+], ids=["shared", "scale", "sigmoid", "qwen3"])
+def test_gguf_experts_kvpool_cannot_run_are_refused_by_key(change, match):
+    with pytest.raises(UnsupportedFeature, match=match):
+        config_from_gguf({**QWEN3MOE_METADATA, **change}, QWEN3MOE_TENSORS)
+
+
+def test_a_gguf_layer_without_experts_is_refused():
+    # mlp_only_layers has no GGUF form: llama.cpp requires every qwen3moe layer's router.
+    with pytest.raises(UnsupportedFeature, match=r"layers \[1\] have no experts"):
+        config_from_gguf(QWEN3MOE_METADATA, QWEN3MOE_TENSORS[:-1])
+
+
+def test_gguf_experts_under_tensor_parallelism_are_each_experts_slice(tmp_path):
+    """Rank 1 of 2 reads, of every stacked expert tensor (Q8_0: gate/up rows cut from the raw
+    blocks, down's 16 of 32 columns half a block, so dequantized whole), each expert's slice."""
+    hf_model = save_tiny(tmp_path / "hf", "qwen3_moe", mlp_only_layers=[])
+    path = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(path, hf_model, arch="qwen3moe", qtype=GGMLQuantizationType.Q8_0)
+    loader = make_loader(path)
+    config = loader.load_config()
+    full = dict(loader.iter_weights(config, torch.device("cpu")))
+    tp = TensorParallel(1, 2)
+    sharded = dict(loader.iter_weights(config, torch.device("cpu"), tp))
+    assert sharded.keys() == full.keys() == checkpoint_shapes(config).keys()
+    for name, tensor in sharded.items():
+        assert torch.equal(tensor, take_slice(full[name], shard_slice(config, tp, name))), name
+    assert sharded["layers.0.mlp.experts.7.down_proj.weight"].shape == (64, 16)
+    assert sharded["layers.0.mlp.experts.7.up_proj.weight"].shape == (16, 64)
+    assert sharded["layers.0.mlp.gate.weight"].shape == (8, 64)  # the router, replicated
 
 
 @pytest.mark.parametrize(("kind", "field", "value"), [

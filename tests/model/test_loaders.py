@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +24,15 @@ from kvpool.memory.kv_cache import KVCache
 from kvpool.model.config import ModelConfig
 from kvpool.model.loaders import detect_load_format, load_model, make_loader
 from kvpool.model.loaders.dequant import KERNELS, dequantize
-from kvpool.model.loaders.gguf_file import checkpoint_name, unpermute_rows
+from kvpool.model.loaders.gguf_file import (
+    checkpoint_name,
+    dequantize_tensor,
+    expert_names,
+    read_slice,
+    unpermute_rows,
+)
+from kvpool.model.moe import MIXTRAL_NAMES, MoEConfig
+from kvpool.model.parallel import take_slice
 
 Q = GGMLQuantizationType
 # Byte offsets of each block's float16 scale/min fields: random bytes there could be inf/NaN.
@@ -83,12 +93,33 @@ def test_unpermute_undoes_llama_cpp_permutation(shape):
     assert torch.equal(unpermute_rows(permuted, num_heads=3), torch.from_numpy(weight))
 
 
+@pytest.mark.parametrize("spec", [(1, slice(2, 5)), (2, slice(32, 96)), (2, slice(16, 80)),
+                                  (0, slice(1, 3))], ids=["rows", "columns", "unaligned", "stack"])
+def test_a_stacked_gguf_tensor_is_sliced_in_every_expert(spec):
+    from gguf.quants import quantize
+
+    weights = np.random.default_rng(0).standard_normal((3, 6, 128)).astype(np.float32)
+    tensor = SimpleNamespace(name="t", tensor_type=Q.Q8_0, shape=np.array([128, 6, 3]),
+                             data=quantize(weights, Q.Q8_0))
+    assert torch.equal(read_slice(tensor, spec), take_slice(dequantize_tensor(tensor), spec))
+
+
 def test_gguf_names_map_to_checkpoint_names():
     assert checkpoint_name("token_embd.weight") == "embed_tokens.weight"
     assert checkpoint_name("blk.7.attn_q.bias") == "layers.7.self_attn.q_proj.bias"
     assert checkpoint_name("blk.0.ffn_norm.weight") == "layers.0.post_attention_layernorm.weight"
     with pytest.raises(ValueError, match=r"'blk\.0\.ffn_gate_exps\.weight'"):
         checkpoint_name("blk.0.ffn_gate_exps.weight")
+    # Mixtral: the router under its block's name, each stacked tensor as one name per expert.
+    moe = MoEConfig(64, 32, 3, 2, norm_topk_prob=True, names=MIXTRAL_NAMES)
+    assert (checkpoint_name("blk.2.ffn_gate_inp.weight", experts=MIXTRAL_NAMES)
+            == "layers.2.block_sparse_moe.gate.weight")
+    assert expert_names("blk.2.ffn_down_exps.weight", moe) == [
+        f"layers.2.block_sparse_moe.experts.{e}.w2.weight" for e in range(3)]
+    assert expert_names("blk.2.ffn_up_exps.weight", moe)[1] == (
+        "layers.2.block_sparse_moe.experts.1.w3.weight")
+    assert expert_names("blk.2.ffn_up_exps.weight", None) is None  # a dense model
+    assert expert_names("blk.2.ffn_gate_inp.weight", moe) is None
 
 
 # ------------------------------------------------------------ safetensors round trip
@@ -188,6 +219,10 @@ _GGUF_SANDWICH_PARTS = {  # Gemma's norm names (`ffn_norm` is the MLP's input no
 }
 _GGUF_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
+# transformers' in-memory MoE tensors (Qwen3-MoE and Mixtral alike) -> llama.cpp's parts.
+_GGUF_MOE_PARTS = {"mlp.gate.weight": ["ffn_gate_inp"],
+                   "mlp.experts.gate_up_proj": ["ffn_gate_exps", "ffn_up_exps"],
+                   "mlp.experts.down_proj": ["ffn_down_exps"]}
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
@@ -200,11 +235,37 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{parts[part]}.{kind}"
 
 
+def _gguf_tensors(hf_name: str, weight: np.ndarray, arch: str) -> list[tuple[str, np.ndarray]]:
+    """llama.cpp's tensors for one `state_dict()` entry. Experts, fused in memory
+    (`gate_up_proj` [E, 2I, H]: each expert's gate rows, then its up rows), are written as the
+    converter writes them: stacked per projection, the gate's and the up's apart."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    if match is None or match.group(2) not in _GGUF_MOE_PARTS:
+        return [(_gguf_name(hf_name, arch), weight)]
+    layer, parts = match.group(1), _GGUF_MOE_PARTS[match.group(2)]
+    pieces = np.split(weight, len(parts), axis=1) if len(parts) > 1 else [weight]
+    return [(f"blk.{layer}.{part}.weight", np.ascontiguousarray(piece))
+            for part, piece in zip(parts, pieces, strict=True)]
+
+
+def _add_experts(writer, config) -> None:
+    """llama.cpp's MoE keys: Qwen3-MoE's expert width has its own key; Mixtral's experts are
+    `feed_forward_length` wide (its `intermediate_size`)."""
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    if not num_experts:
+        return
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+
 def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
                sampling: dict | None = None) -> None:
-    """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama and smollm3), matrices
-    in `qtype`; round `hf_model`'s own weights the same way so it stays the exact reference.
-    `sampling`: `general.sampling.<key>` values (e.g. {"temp": 0.6})."""
+    """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama and smollm3; experts
+    stacked, the router kept float32 as the converter keeps it), matrices in `qtype`; round
+    `hf_model`'s own weights the same way so it stays the exact reference. `sampling`:
+    `general.sampling.<key>` values (e.g. {"temp": 0.6})."""
     import gguf
 
     config = hf_model.config
@@ -228,11 +289,13 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
         if config.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
+    _add_experts(writer, config)
     for hf_name, param in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         weight = param.numpy()
-        if weight.ndim == 2:
+        is_router = hf_name.endswith("mlp.gate.weight")
+        if weight.ndim >= 2 and not is_router:  # rows quantized alike, stacked or not
             raw = gguf.quants.quantize(weight, qtype)
             param.copy_(torch.from_numpy(gguf_dequantize(raw, qtype).reshape(weight.shape)))
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
@@ -242,11 +305,11 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
             stored = llama_cpp_permute(stored, num_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             stored = stored + 1  # llama.cpp's converter stores Gemma's 1 + weight
-        if stored.ndim == 2:
-            writer.add_tensor(_gguf_name(hf_name, arch), gguf.quants.quantize(stored, qtype),
-                              raw_dtype=qtype)
-        else:
-            writer.add_tensor(_gguf_name(hf_name, arch), np.ascontiguousarray(stored))
+        for gguf_name, tensor in _gguf_tensors(hf_name, stored, arch):
+            if tensor.ndim >= 2 and not is_router:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(gguf_name, np.ascontiguousarray(tensor))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -9,9 +9,15 @@ HuggingFace's rotate-half layout (dimension i pairs with i + head_dim/2) to inte
 (2i with 2i+1), which its rotary kernel expects. Our rotary embedding uses the rotate-half layout,
 so for `llama` files the rows are put back. Qwen2 files are written without the reordering.
 
+Mixtures of experts: GGUF stacks a layer's experts, `ffn_{gate,up}_exps` [E, I, H] and
+`ffn_down_exps` [E, H, I], beside the router `ffn_gate_inp` [E, H]. The model takes the Hub's
+per-expert names (Qwen3-MoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`,
+...: `MoEConfig.names`), so each stacked tensor is read once and yielded as E views.
+
 Tensor parallelism: a rank reads only its slice of each tensor, cut from the raw quantized
 bytes before dequantizing (`read_slice`). The reordering is within each head, so whole heads
-are cut first and then put back with the local head count.
+are cut first and then put back with the local head count. A stacked expert tensor is cut the
+same way in every expert at once (each rank holds every expert, a slice of its width).
 
 Sampling defaults: llama.cpp's converter copies a model's generation_config.json into
 `general.sampling.*` keys; `load_generation_config` gives them back under HF's names.
@@ -32,6 +38,7 @@ from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_config import config_from_gguf
 from kvpool.model.llama import shard_slice
 from kvpool.model.loaders.dequant import dequantize
+from kvpool.model.moe import ExpertNames, MoEConfig
 from kvpool.model.parallel import ShardSlice, TensorParallel, take_slice
 from kvpool.model.tokenizer import Tokenizer
 
@@ -63,21 +70,42 @@ _SANDWICH_PART_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Stacked experts [E, ...] -> the `ExpertNames` field of each expert's projection.
+_EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_ROUTER = "ffn_gate_inp"
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency factors, folded into the config
 
 
-def checkpoint_name(gguf_name: str, sandwich_norms: bool = False) -> str:
-    """The checkpoint name of a GGUF tensor name (`sandwich_norms`: Gemma's norm names);
-    ValueError for a tensor we cannot place."""
+def checkpoint_name(gguf_name: str, sandwich_norms: bool = False,
+                    experts: ExpertNames | None = None) -> str:
+    """The checkpoint name of a GGUF tensor name (`sandwich_norms`: Gemma's norm names;
+    `experts`: the names of a model with experts, for its router); ValueError for a tensor we
+    cannot place (stacked experts: see `expert_names`)."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     parts = _SANDWICH_PART_NAMES if sandwich_norms else _BLOCK_PART_NAMES
+    if experts is not None:
+        parts = {**parts, _ROUTER: f"{experts.block}.gate"}
     match = _BLOCK_NAME.fullmatch(gguf_name)
     if match is None or match.group(2) not in parts:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
     layer, part, kind = match.groups()
     return f"layers.{layer}.{parts[part]}.{kind}"
+
+
+def expert_names(gguf_name: str, moe: MoEConfig | None) -> list[str] | None:
+    """The per-expert checkpoint names of a stacked GGUF expert tensor, expert 0 first
+    (`blk.3.ffn_up_exps.weight` -> `layers.3.mlp.experts.{e}.up_proj.weight`); None for any
+    other tensor, and for every tensor of a model without experts."""
+    match = _BLOCK_NAME.fullmatch(gguf_name)
+    if moe is None or match is None or match.group(2) not in _EXPERT_STACKS:
+        return None
+    layer, part, kind = match.groups()
+    names = moe.names
+    projection = getattr(names, _EXPERT_STACKS[part])
+    return [f"layers.{layer}.{names.block}.experts.{expert_id}.{projection}.{kind}"
+            for expert_id in range(moe.num_experts)]
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -104,30 +132,29 @@ def dequantize_tensor(tensor: ReaderTensor, device: torch.device | str = "cpu") 
 def read_slice(
     tensor: ReaderTensor, spec: ShardSlice, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """The part `spec` names of a GGUF tensor (1-D or 2-D), as float32, copying and
-    dequantizing only that part's blocks where it can.
+    """The part `spec` names of a GGUF tensor (any number of dimensions), as float32, copying
+    and dequantizing only that part's blocks where it can.
 
-    Each row (the last dimension) is a run of quantization blocks, so a range of rows is a
-    range of whole block runs, and a range of columns is a range of blocks within every row
-    when both its ends fall on block boundaries. A column range that cuts through a block
-    cannot be taken from the raw bytes: the whole tensor is dequantized, then sliced.
+    Each row (the last dimension) is a run of quantization blocks, so a range along any other
+    dimension is a range of whole block runs, and a range of columns is a range of blocks
+    within every row when both its ends fall on block boundaries. A column range that cuts
+    through a block cannot be taken from the raw bytes: the whole tensor is dequantized, then
+    sliced.
     """
     if spec is None:
         return dequantize_tensor(tensor, device)
     shape = torch_shape(tensor)
-    assert len(shape) in (1, 2), f"{tensor.name}: cannot slice a {len(shape)}-D tensor"
     block_numel, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
     dim, span = spec
-    rows, cols = (1, *shape) if len(shape) == 1 else shape
     # A view of the memory map: nothing is copied until the slice is taken.
-    blocks = np.asarray(tensor.data).view(np.uint8).reshape(rows, cols // block_numel, block_bytes)
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(
+        *shape[:-1], shape[-1] // block_numel, block_bytes)
     is_column = dim == len(shape) - 1
     if is_column and (span.start % block_numel or span.stop % block_numel):
         return take_slice(dequantize_tensor(tensor, device), spec)  # not block-aligned
-    if is_column:
-        part = blocks[:, span.start // block_numel : span.stop // block_numel]
-    else:
-        part = blocks[span]
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(span.start // block_numel, span.stop // block_numel) if is_column else span
+    part = blocks[tuple(index)]
     raw = torch.from_numpy(np.array(part, copy=True).reshape(-1)).to(device)  # out of the map
     part_shape = list(shape)
     part_shape[dim] = span.stop - span.start
@@ -165,12 +192,27 @@ class GGUFLoader:
         for gguf_name, tensor in self.tensors.items():
             if gguf_name == _ROPE_FREQS:
                 continue
-            name = checkpoint_name(gguf_name, config.sandwich_norms)
+            experts = expert_names(gguf_name, config.moe)
+            if experts is not None:
+                yield from zip(experts, self._read_experts(tensor, config, tp, experts, device),
+                               strict=True)
+                continue
+            names = config.moe.names if config.moe is not None else None
+            name = checkpoint_name(gguf_name, config.sandwich_norms, names)
             weight = read_slice(tensor, shard_slice(config, tp, name), device)
             if is_permuted and (".q_proj." in name or ".k_proj." in name):
                 # Whole heads were read: put back each of the local ones.
                 weight = unpermute_rows(weight, weight.shape[0] // config.head_dim)
             yield name, weight
+
+    @staticmethod
+    def _read_experts(tensor: ReaderTensor, config: ModelConfig, tp: TensorParallel,
+                      names: list[str], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """A stacked expert tensor as one view per expert, each this rank's slice: every
+        expert takes the same part of its own tensor, one dimension further in the stack."""
+        spec = shard_slice(config, tp, names[0])
+        stacked_spec = None if spec is None else (spec[0] + 1, spec[1])
+        return read_slice(tensor, stacked_spec, device).unbind(0)
 
     def load_tokenizer(self) -> Tokenizer | None:
         if "tokenizer.ggml.tokens" not in self.metadata:
