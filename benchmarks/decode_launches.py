@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.triton_decode import choose_num_splits
 from kvpool.kernels import fused
+from kvpool.model import presets
 from kvpool.model.config import ModelConfig
 from kvpool.model.llama import LlamaModel
 
@@ -125,7 +126,7 @@ def decode_inputs(config: ModelConfig, batch: int, context: int, device: str):
 
 
 def count_step(preset: str, batch: int, context: int, num_sms: int) -> StepLaunches:
-    config = ModelConfig.preset(preset)
+    config = presets.preset(preset)
     backend = LaunchPlanBackend(num_sms)
     model = LlamaModel(config, backend, dtype=torch.bfloat16, device="meta")
     inputs = decode_inputs(config, batch, context, "meta")

@@ -130,10 +130,10 @@ def load_dummy_hf_model(
     without the `model.` prefix)."""
     from transformers import LlamaForCausalLM
 
-    from kvpool.model.config import ModelConfig
+    from kvpool.model import presets
     from kvpool.model.loaders.dummy import DummyLoader
 
-    model_config = ModelConfig.preset(preset)
+    model_config = presets.preset(preset)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(hf_llama_config(model_config), dtype=dtype)
     parameters = dict(model.named_parameters())

@@ -89,12 +89,12 @@ def fast_model(smollm2):
     `LoadedModel`: it steps in milliseconds (for the server's and the router's tests)."""
     import dataclasses
 
-    from kvpool.model.config import ModelConfig
+    from kvpool.model import presets
     from kvpool.model.loaders.auto import load_model
     from kvpool.model.loaders.base import LoadedModel
 
     config = dataclasses.replace(
-        ModelConfig.preset("tiny"),
+        presets.preset("tiny"),
         vocab_size=smollm2.config.vocab_size,
         eos_token_ids=smollm2.config.eos_token_ids,
         bos_token_id=smollm2.config.bos_token_id,

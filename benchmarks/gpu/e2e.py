@@ -98,10 +98,10 @@ def write_cpu_weights(preset: str, directory: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from kvpool.model.config import ModelConfig
+    from kvpool.model import presets
     from kvpool.model.loaders.dummy import DummyLoader
 
-    config = ModelConfig.preset(preset)
+    config = presets.preset(preset)
     cpu = torch.device("cpu")
     tensors = {f"model.{name}" if name != "lm_head.weight" else name: t.float().contiguous()
                for name, t in DummyLoader(config).iter_weights(config, cpu)}

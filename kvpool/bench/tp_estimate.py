@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvpool.model import presets
 from kvpool.model.config import ModelConfig
 from kvpool.model.parallel import TensorParallel, check_shapes
 
@@ -51,7 +52,7 @@ LLAMA_2_70B = ModelConfig(
     rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
 )
 ESTIMATE_MODELS: dict[str, ModelConfig] = {
-    "llama-3-8b": ModelConfig.preset("llama-3-8b"),
+    "llama-3-8b": presets.preset("llama-3-8b"),
     "llama-2-70b": LLAMA_2_70B,
 }
 DEFAULT_TP_SIZES = (1, 2, 4, 8)

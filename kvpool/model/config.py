@@ -25,12 +25,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.memory.kv_layout import KVLayout
-from kvpool.model.layer_spec import LayerSpec, RopeSpec
+from kvpool.model.layer_spec import LayerSpec, MoEConfig, RopeSpec
 
 if TYPE_CHECKING:
     import torch
-
-    from kvpool.model.moe import MoEConfig
 
 ARCHITECTURES = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
                            "gemma3_text", "qwen3_moe", "mixtral", "phi3"})
@@ -142,16 +140,6 @@ class ModelConfig:
                                 str(dtype).removeprefix("torch."), kv_cache_dtype)
 
     # ------------------------------------------------------------ constructors
-    @classmethod
-    def preset(cls, name: str) -> ModelConfig:
-        """A named model shape (weights come from elsewhere or are random)."""
-        from kvpool.model.presets import PRESETS
-
-        try:
-            return PRESETS[name]
-        except KeyError:
-            raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
-
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

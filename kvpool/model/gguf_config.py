@@ -30,8 +30,7 @@ from typing import Any
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.hf_config import UnsupportedFeature
-from kvpool.model.layer_spec import LayerSpec, RopeSpec
-from kvpool.model.moe import MIXTRAL_NAMES, QWEN3_MOE_NAMES, MoEConfig
+from kvpool.model.layer_spec import MIXTRAL_NAMES, QWEN3_MOE_NAMES, LayerSpec, MoEConfig, RopeSpec
 
 SMOLLM3_NO_ROPE_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for smollm3
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every sixth gemma3 layer is full attention

@@ -1,4 +1,5 @@
-"""What one decoder layer is: its attention span, its positional encoding, and its MLP.
+"""What one decoder layer is: its attention span, its positional encoding, and its MLP (and
+`MoEConfig`, the shape of a model's mixtures of experts, which its sparse layers share).
 
 Models no longer repeat one layer `num_layers` times. Gemma 3 alternates five sliding-window
 layers with one full-attention layer, each kind with its own RoPE base; SmolLM3 leaves every
@@ -48,3 +49,36 @@ class LayerSpec:
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 token, got {self.sliding_window}")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """How a Hub checkpoint names an MoE block's modules, relative to its decoder layer."""
+
+    block: str  # the MoE block: holds `gate` (the router) and `experts.{e}`
+    gate: str  # each expert's projections
+    up: str
+    down: str
+
+
+QWEN3_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """One sparse MoE layer's shape and routing (every sparse layer of a model shares it)."""
+
+    hidden_size: int
+    moe_intermediate_size: int  # each expert's (Mixtral's `intermediate_size`)
+    num_experts: int
+    top_k: int  # experts per token (`num_experts_per_tok`)
+    norm_topk_prob: bool  # renormalise the top-k weights to sum to 1 (Mixtral: always)
+    names: ExpertNames = QWEN3_MOE_NAMES  # the Hub checkpoint's `per_expert` names
+
+    def __post_init__(self) -> None:
+        for field in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"MoE {field} must be >= 1, got {getattr(self, field)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoE top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")

@@ -35,12 +35,12 @@ cannot be sliced in one range (a rank's gate and up rows are two ranges): it loa
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from kvpool.model.layer_spec import MIXTRAL_NAMES, MoEConfig
 from kvpool.model.linear import Linear
 from kvpool.model.moe_experts import experts_forward, group_by_expert
 from kvpool.model.parallel import ShardSlice, TensorParallel
@@ -57,39 +57,6 @@ GGUF_BLOCK_PART_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertNames:
-    """How a Hub checkpoint names an MoE block's modules, relative to its decoder layer."""
-
-    block: str  # the MoE block: holds `gate` (the router) and `experts.{e}`
-    gate: str  # each expert's projections
-    up: str
-    down: str
-
-
-QWEN3_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
-MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
-
-
-@dataclass(frozen=True, slots=True)
-class MoEConfig:
-    """One sparse MoE layer's shape and routing (every sparse layer of a model shares it)."""
-
-    hidden_size: int
-    moe_intermediate_size: int  # each expert's (Mixtral's `intermediate_size`)
-    num_experts: int
-    top_k: int  # experts per token (`num_experts_per_tok`)
-    norm_topk_prob: bool  # renormalise the top-k weights to sum to 1 (Mixtral: always)
-    names: ExpertNames = QWEN3_MOE_NAMES  # the Hub checkpoint's `per_expert` names
-
-    def __post_init__(self) -> None:
-        for field in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"MoE {field} must be >= 1, got {getattr(self, field)}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"MoE top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
 
 
 # config.json fields of the MoE architectures, decided one by one: refused (we would compute

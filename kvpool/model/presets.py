@@ -1,4 +1,4 @@
-"""Named model shapes for dummy weights, tests and benchmarks (`ModelConfig.preset`): the real
+"""Named model shapes for dummy weights, tests and benchmarks (`preset`): the real
 models' `config.json` facts, no weights.
 
 The newer presets are written as the model's own `config.json` fields and read by the same
@@ -104,3 +104,12 @@ PRESETS: dict[str, ModelConfig] = {
         hidden_activation="gelu_pytorch_tanh",
     )),
 }
+
+
+def preset(name: str) -> ModelConfig:
+    """A named model shape (weights come from elsewhere or are random)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+

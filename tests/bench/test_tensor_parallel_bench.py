@@ -12,9 +12,9 @@ from kvpool.bench import tp_estimate
 from kvpool.bench.tensor_parallel import StepRecord, expected_step, summarize_steps
 from kvpool.bench.tp_estimate import H200, LLAMA_2_70B, decode_step_estimate
 from kvpool.cli import main
-from kvpool.model.config import ModelConfig
+from kvpool.model import presets
 
-LLAMA_3_8B = ModelConfig.preset("llama-3-8b")
+LLAMA_3_8B = presets.preset("llama-3-8b")
 
 
 def test_doubling_tp_halves_the_weight_bytes_per_gpu():
@@ -28,7 +28,7 @@ def test_doubling_tp_halves_the_weight_bytes_per_gpu():
 
 
 def test_kv_bytes_stop_shrinking_once_kv_heads_are_replicated():
-    tiny = ModelConfig.preset("tiny")  # 2 KV heads: at tp 4 each KV head lives on 2 ranks
+    tiny = presets.preset("tiny")  # 2 KV heads: at tp 4 each KV head lives on 2 ranks
     at = {tp: decode_step_estimate(tiny, tp, batch=4, context=64)["kv_bytes_per_gpu"]
           for tp in (1, 2, 4)}
     assert at[2] == at[1] / 2 and at[4] == at[2]
@@ -66,7 +66,7 @@ def test_a_tp_size_that_does_not_split_the_model_is_refused():
 
 
 def test_expected_step_bytes():
-    config = ModelConfig.preset("smollm2-135m")
+    config = presets.preset("smollm2-135m")
     calls, nbytes = expected_step(config, 3, num_tokens=5, num_logits_rows=2, element_size=4)
     all_reduce = (2 * config.num_layers + 1) * 5 * config.hidden_size * 4
     assert (calls, nbytes) == (2 * config.num_layers + 2, all_reduce + 2 * config.vocab_size
@@ -84,7 +84,7 @@ def test_expected_step_bytes():
 
 
 def test_summarize_steps_splits_prefill_and_decode():
-    config = ModelConfig.preset("tiny")
+    config = presets.preset("tiny")
     calls, nbytes = expected_step(config, 2, 2, 2, 4)
     prefill_calls, prefill_bytes = expected_step(config, 2, 16, 2, 4)
     steps = [StepRecord(False, 16, 2, prefill_calls, prefill_bytes, 0.5, 2.0),

@@ -13,12 +13,13 @@ from benchmarks.gpu.e2e import (
     verdict,
     write_cpu_weights,
 )
+from kvpool.model import presets
 from kvpool.model.config import ModelConfig
 
 
 @pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
 def test_hf_config_reads_back_as_the_preset(preset):
-    config = ModelConfig.preset(preset)
+    config = presets.preset(preset)
     assert ModelConfig.from_hf_config(hf_config(config)) == config
 
 

@@ -25,7 +25,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.parallel import WorkerError, group
 from kvpool.engine.sampling_params import SamplingParams
-from kvpool.model.config import ModelConfig
+from kvpool.model import presets
 from tests.model.hf_checkpoint import save_hf_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -56,7 +56,7 @@ PROMPTS = _prompts()
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     return str(save_hf_checkpoint(tmp_path_factory.mktemp("tp_engine") / "tiny",
-                                  ModelConfig.preset("tiny")))
+                                  presets.preset("tiny")))
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]],

@@ -11,7 +11,7 @@ from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_quant import dequantize, qmax
-from kvpool.model.config import ModelConfig
+from kvpool.model import presets
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=3)
 
@@ -106,7 +106,7 @@ def test_quantized_bytes_per_block_count_the_scales():
     ("fp8_e5m2", "float8_e5m2"), ("auto", "bfloat16"), ("float16", "float16"),
 ])
 def test_kv_cache_dtype_options_resolve_to_a_storage_dtype(option, storage):
-    config = ModelConfig.preset("tiny")
+    config = presets.preset("tiny")
     layout = config.kv_layout(16, torch.bfloat16, option)
     assert layout.dtype == storage
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.model import presets
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_config import config_from_gguf
 from kvpool.model.hf_config import config_from_hf
@@ -15,12 +16,12 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 def test_presets_are_valid_and_named():
     assert {"tiny", "smollm2-135m", "llama-3-8b", "llama-3.1-8b", "qwen2-0.5b"} <= set(PRESETS)
-    llama3 = ModelConfig.preset("llama-3-8b")
+    llama3 = presets.preset("llama-3-8b")
     shape = (llama3.num_layers, llama3.num_heads, llama3.num_kv_heads, llama3.head_dim)
     assert shape == (32, 32, 8, 128)
     assert llama3.num_queries_per_kv == 4
     with pytest.raises(ValueError, match="unknown preset 'gpt-5'"):
-        ModelConfig.preset("gpt-5")
+        presets.preset("gpt-5")
 
 
 def test_from_transformers_llama_config():
@@ -89,7 +90,7 @@ def test_from_gguf_metadata():
 def test_smollm2_gguf_config_matches_transformers(smollm2, hf_smollm2):
     hf = hf_smollm2.config
     config = smollm2.config
-    assert config == ModelConfig.preset("smollm2-135m").replace(rms_norm_eps=hf.rms_norm_eps)
+    assert config == presets.preset("smollm2-135m").replace(rms_norm_eps=hf.rms_norm_eps)
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (
         hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads
     )
@@ -114,4 +115,4 @@ def test_smollm2_gguf_config_matches_transformers(smollm2, hf_smollm2):
 )
 def test_validation_rejects_bad_configs(changes, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.preset("tiny").replace(**changes)
+        presets.preset("tiny").replace(**changes)

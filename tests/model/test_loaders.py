@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from kvpool.engine.model_runner import ModelRunner, SequenceChunk
 from kvpool.memory.kv_cache import KVCache
-from kvpool.model.config import ModelConfig
+from kvpool.model import presets
+from kvpool.model.layer_spec import MIXTRAL_NAMES, MoEConfig
 from kvpool.model.loaders import detect_load_format, load_model, make_loader
 from kvpool.model.loaders.dequant import KERNELS, dequantize
 from kvpool.model.loaders.gguf_file import (
@@ -31,7 +32,6 @@ from kvpool.model.loaders.gguf_file import (
     read_slice,
     unpermute_rows,
 )
-from kvpool.model.moe import MIXTRAL_NAMES, MoEConfig
 from kvpool.model.parallel import take_slice
 
 Q = GGMLQuantizationType
@@ -421,7 +421,7 @@ def test_a_hub_model_missing_from_the_cache_says_how_to_get_it(hub_cache, monkey
 # -------------------------------------------------------------------- dummy weights
 def test_dummy_builds_a_model_of_the_config_and_runs_a_step():
     loaded = load_model("tiny", load_format="dummy")
-    config = ModelConfig.preset("tiny")
+    config = presets.preset("tiny")
     assert loaded.config == config and loaded.tokenizer is None
     qkv = loaded.model.layers[0].self_attn.qkv
     assert (qkv.out_features, qkv.in_features) == (
@@ -432,7 +432,7 @@ def test_dummy_builds_a_model_of_the_config_and_runs_a_step():
 
 
 def test_dummy_weights_are_deterministic_per_seed():
-    config = ModelConfig.preset("tiny").replace(num_layers=1, attention_bias=True)
+    config = presets.preset("tiny").replace(num_layers=1, attention_bias=True)
     first, again, other = (load_model(config, "dummy", seed=s).model for s in (0, 0, 1))
     assert torch.equal(first.embed_tokens, again.embed_tokens)
     assert torch.equal(first.layers[0].self_attn.qkv.bias, again.layers[0].self_attn.qkv.bias)
@@ -447,7 +447,7 @@ def test_dummy_bf16_runs():
 
 
 def test_dummy_config_sources(tmp_path):
-    assert make_loader(None, "dummy").load_config() == ModelConfig.preset("smollm2-135m")
+    assert make_loader(None, "dummy").load_config() == presets.preset("smollm2-135m")
     save_tiny_hf_model(tmp_path)
     assert make_loader(tmp_path, "dummy").load_config().hidden_size == 64
     with pytest.raises(ValueError, match="neither a preset"):

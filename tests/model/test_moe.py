@@ -17,12 +17,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from kvpool.model import moe_experts
+from kvpool.model.layer_spec import MIXTRAL_NAMES, QWEN3_MOE_NAMES, ExpertNames, MoEConfig
 from kvpool.model.moe import (
     GGUF_BLOCK_PART_NAMES,
-    MIXTRAL_NAMES,
-    QWEN3_MOE_NAMES,
-    ExpertNames,
-    MoEConfig,
     SparseMoE,
     checkpoint_slices,
     is_sparse_layer,

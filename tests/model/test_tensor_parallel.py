@@ -26,8 +26,7 @@ from kvpool.attention.torch_ref import TorchAttentionBackend
 from kvpool.engine.model_runner import ModelRunner, SequenceChunk
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
-from kvpool.model import default_model_path
-from kvpool.model.config import ModelConfig
+from kvpool.model import default_model_path, presets
 from kvpool.model.llama import LlamaModel, checkpoint_slices
 from kvpool.model.loaders import load_model
 from kvpool.model.loaders.gguf_file import dequantize_tensor, read_slice
@@ -35,7 +34,7 @@ from kvpool.model.parallel import TensorParallel, check_shapes, take_slice
 from tests.model.hf_checkpoint import save_hf_checkpoint
 
 Q = GGMLQuantizationType
-TINY = ModelConfig.preset("tiny")  # 4 query heads, 2 KV heads
+TINY = presets.preset("tiny")  # 4 query heads, 2 KV heads
 TINY_CONFIGS = {
     "llama": TINY,
     # One KV head (replicated at tp=2), a tied head, and q/k/v biases.

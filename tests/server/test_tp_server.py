@@ -19,7 +19,7 @@ from openai import OpenAI
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
-from kvpool.model.config import ModelConfig
+from kvpool.model import presets
 from kvpool.server.app import build_app
 from kvpool.server.background import BackgroundServer
 from kvpool.server.config import ServerConfig
@@ -30,7 +30,7 @@ MODEL = "tiny-tp"
 
 @pytest.fixture
 def tp_server(tmp_path) -> Iterator[tuple[str, AsyncLLMEngine]]:
-    checkpoint = save_hf_checkpoint(tmp_path / "tiny", ModelConfig.preset("tiny"))
+    checkpoint = save_hf_checkpoint(tmp_path / "tiny", presets.preset("tiny"))
     config = EngineConfig(model=str(checkpoint), load_format="safetensors",
                           dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64,
                           distributed_timeout_seconds=10, enable_warmup=False)

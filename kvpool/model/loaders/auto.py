@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvpool.attention.backend import AttentionBackend
-from kvpool.model import default_model_path
+from kvpool.model import default_model_path, presets
 from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import resolve_dtype
 from kvpool.model.llama import LlamaModel
@@ -85,9 +85,9 @@ def _dummy_config(model: ModelSource) -> ModelConfig:
     if isinstance(model, ModelConfig):
         return model
     if model is None:
-        return ModelConfig.preset(DEFAULT_DUMMY_PRESET)
+        return presets.preset(DEFAULT_DUMMY_PRESET)
     if str(model) in PRESETS:
-        return ModelConfig.preset(str(model))
+        return presets.preset(str(model))
     if not resolve_model_path(model).exists():
         raise ValueError(f"{model!r} is neither a preset ({sorted(PRESETS)}) nor a model path")
     return make_loader(model, "auto").load_config()

@@ -36,9 +36,9 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_config import config_from_gguf
+from kvpool.model.layer_spec import ExpertNames, MoEConfig
 from kvpool.model.llama import shard_slice
 from kvpool.model.loaders.dequant import dequantize
-from kvpool.model.moe import ExpertNames, MoEConfig
 from kvpool.model.parallel import ShardSlice, TensorParallel, take_slice
 from kvpool.model.tokenizer import Tokenizer
 
