@@ -99,6 +99,7 @@ def write_cpu_weights(preset: str, directory: Path) -> dict:
     from safetensors.torch import save_file
 
     from kvpool.model import presets
+    from kvpool.model.hf_config import plain_hf_config
     from kvpool.model.loaders.dummy import DummyLoader
 
     config = presets.preset(preset)
@@ -106,25 +107,8 @@ def write_cpu_weights(preset: str, directory: Path) -> dict:
     tensors = {f"model.{name}" if name != "lm_head.weight" else name: t.float().contiguous()
                for name, t in DummyLoader(config).iter_weights(config, cpu)}
     save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(hf_config(config), indent=1))
+    (directory / "config.json").write_text(json.dumps(plain_hf_config(config), indent=1))
     return {"num_tensors": len(tensors), "num_bytes": sum(t.nbytes for t in tensors.values())}
-
-
-def hf_config(config) -> dict:
-    """The `config.json` of a plain-RoPE Llama `ModelConfig`, in HuggingFace's names."""
-    if config.rope_scaling is not None or config.attention_bias:
-        raise ValueError("plain Llama presets only")
-    return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
-    }
 
 
 def greedy_tokens(weights: Path, variant: Variant, output_len: int) -> list[list[int]]:

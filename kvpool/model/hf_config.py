@@ -257,3 +257,24 @@ def hf_rope(config: HFConfig) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return theta, None
     return theta, {"rope_type": rope_type, **scaling}
+
+
+def plain_hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The `config.json` of a `ModelConfig` with no per-layer facts and no feature past Qwen2's
+    biases (what tools write beside random weights for transformers or vLLM to load);
+    ValueError for anything else, which this short form cannot say."""
+    if config.layers or config.rope_scaling is not None or config.architecture not in (
+            "llama", "mistral", "qwen2"):
+        raise ValueError(f"{config.architecture} with per-layer or scaled RoPE facts has no "
+                         "plain config.json form")
+    return {
+        "model_type": config.architecture, "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+    }
+

@@ -3,24 +3,13 @@ directory load back as the same model, and the token comparison."""
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks.gpu.e2e import (
     DEVICE_VARIANTS,
     compare,
     device_variants,
-    hf_config,
     verdict,
     write_cpu_weights,
 )
-from kvpool.model import presets
-from kvpool.model.config import ModelConfig
-
-
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
-def test_hf_config_reads_back_as_the_preset(preset):
-    config = presets.preset(preset)
-    assert ModelConfig.from_hf_config(hf_config(config)) == config
 
 
 def test_cpu_drawn_weights_generate_as_the_dummy_loader(tmp_path):

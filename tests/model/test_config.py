@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvpool.model import presets
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_config import config_from_gguf
-from kvpool.model.hf_config import config_from_hf
+from kvpool.model.hf_config import config_from_hf, plain_hf_config
 from kvpool.model.presets import PRESETS
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -116,3 +118,15 @@ def test_smollm2_gguf_config_matches_transformers(smollm2, hf_smollm2):
 def test_validation_rejects_bad_configs(changes, message):
     with pytest.raises(ValueError, match=message):
         presets.preset("tiny").replace(**changes)
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2-135m", "qwen2-0.5b", "llama-3-8b"])
+def test_a_plain_preset_reads_back_from_its_config_json(name):
+    config = presets.preset(name)
+    assert config_from_hf(json.loads(json.dumps(plain_hf_config(config)))) == config
+
+
+def test_a_config_with_per_layer_facts_has_no_plain_form():
+    with pytest.raises(ValueError, match=r"no plain config\.json form"):
+        plain_hf_config(presets.preset("gemma-3-1b"))
+
