@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.memory_heavy import memory_heavy  # noqa: F401 (a suite-wide fixture)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Servers and routers built by the tests (and the processes they start) key tenants' cache

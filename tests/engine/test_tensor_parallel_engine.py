@@ -172,6 +172,7 @@ def test_a_hung_worker_fails_the_step_after_the_timeout(checkpoint):
 
 
 # ------------------------------------------------------------ the 8B shape
+@pytest.mark.usefixtures("memory_heavy")
 def test_the_dummy_8b_shape_starts_at_tp2_and_steps():
     engine = LLMEngine(EngineConfig(model="llama-3-8b", load_format="dummy", dtype="bfloat16",
                                     tensor_parallel_size=2, num_gpu_blocks=4,

@@ -29,6 +29,7 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.usefixtures("memory_heavy")
 @pytest.mark.parametrize("name", STEPPED_PRESETS)
 def test_a_real_shape_preset_loads_and_steps_within_its_weights_memory(name):
     config = PRESETS[name]
