@@ -36,6 +36,7 @@ count, so every rank holds the same block ids. The parts then carry the `WorkerG
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -178,7 +179,9 @@ def kv_namespace(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> 
     under it, so KV computed by other weights, dtypes or shapes is never found."""
     load = config.load
     model = load.model or "bundled:SmolLM2-135M-Instruct"
-    if load.model is not None and os.path.exists(resolve_model_path(model)):
+    if isinstance(model, ModelConfig):  # a shape for dummy weights: named by its contents
+        model = "config:" + hashlib.sha256(repr(model).encode()).hexdigest()[:16]
+    elif load.model is not None and os.path.exists(resolve_model_path(model)):
         model = os.path.realpath(resolve_model_path(model))  # a Hub id: its snapshot
     return "|".join([
         f"model={model}", f"load_format={load.load_format}", f"dtype={dtype}",

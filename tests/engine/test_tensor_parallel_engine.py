@@ -174,7 +174,10 @@ def test_a_hung_worker_fails_the_step_after_the_timeout(checkpoint):
 # ------------------------------------------------------------ the 8B shape
 @pytest.mark.usefixtures("memory_heavy")
 def test_the_dummy_8b_shape_starts_at_tp2_and_steps():
-    engine = LLMEngine(EngineConfig(model="llama-3-8b", load_format="dummy", dtype="bfloat16",
+    # Every matrix of Llama-3-8B's shape, split over two ranks; two of its 32 layers, so that
+    # the two ranks hold 3 GiB rather than 16 (beside the suite's other worker, on 24 GiB).
+    eight_b = presets.preset("llama-3-8b").replace(num_layers=2)
+    engine = LLMEngine(EngineConfig(model=eight_b, load_format="dummy", dtype="bfloat16",
                                     tensor_parallel_size=2, num_gpu_blocks=4,
                                     max_model_len=32, enable_warmup=False, **PATIENT))
     try:
