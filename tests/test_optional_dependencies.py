@@ -6,6 +6,7 @@ whose imports of those packages fail (`tests/optional_blocker.py`)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,9 @@ import pytest
 pytestmark = pytest.mark.processes
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_TEST_FILES = ["tests/attention/test_triton_kernels.py", "tests/memory/test_kv_transfer.py",
-                  "tests/memory/test_kv_quant.py"]
+# The test files the GPU check's tests step runs, read from the script itself.
+GPU_TEST_FILES = sorted(set(re.findall(r"tests/[\w/]+\.py",
+                                       (REPO / "scripts" / "gpu_check.sh").read_text())))
 MAKE_LLM = ("from kvpool import LLM, SamplingParams\n"
             "llm = LLM(dtype='float32', kv_cache_memory=32 << 20, enable_warmup=False)\n")
 

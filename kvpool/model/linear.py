@@ -48,6 +48,11 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+
+def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """A parameter allocated, not initialised (weights are loaded into it), never trained."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
 class Linear(nn.Module):
     """`in_features` → `out_features`, bias optional; `weight` is a parameter until `pack`."""
 

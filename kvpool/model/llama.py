@@ -41,49 +41,12 @@ from kvpool.attention.backend import AttentionBackend
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.kernels import fused
 from kvpool.model.config import ModelConfig
-from kvpool.model.linear import Linear
+from kvpool.model.linear import Linear, empty_parameter
 from kvpool.model.moe import SparseMoE
 from kvpool.model.moe import shard_slice as moe_shard_slice
+from kvpool.model.norms import HeadNorm, RMSNorm
 from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes
-from kvpool.model.rope import NO_ROTARY, NoRotary, StepRotary, cos_sin_cache
-
-
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class RMSNorm(nn.Module):
-    """Normalised in float32, as the HuggingFace implementation does, then scaled in the
-    model's dtype (`kvpool.kernels.fused`: one fused op per call on the CPU)."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        self.eps = eps
-        self.weight = _empty(size, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)
-
-    def add_(self, x: torch.Tensor, residual: torch.Tensor) -> None:
-        """In place: `residual += x`, then `x = self(residual)`."""
-        fused.add_rms_norm_(x, residual, self.weight, self.eps)
-
-
-class HeadNorm(nn.Module):
-    """RMSNorm over each head of q or k [num_tokens, num_heads, head_dim] (Qwen3's QK-norm):
-    one weight of `head_dim` shared by the heads."""
-
-    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype,
-                 device: torch.device | str):
-        super().__init__()
-        self.norm = RMSNorm(head_dim, eps, dtype, device)
-
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.norm.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x.reshape(-1, x.shape[-1])).view(x.shape)  # rows: (token, head)
+from kvpool.model.rope import NoRotary, RopeTables, StepRotary
 
 
 class Attention(nn.Module):
@@ -199,30 +162,6 @@ class DecoderLayer(nn.Module):
         return self.mlp_out_norm(self.mlp(hidden)), residual
 
 
-class RopeTables(nn.Module):
-    """The model's cos/sin tables, one pair per distinct `RopeSpec` among its layers, and which
-    pair (or none: NoPE) each layer rotates with."""
-
-    def __init__(self, config: ModelConfig, device: torch.device | str):
-        super().__init__()
-        specs = [layer.rope for layer in config.layer_specs]
-        distinct = [rope for i, rope in enumerate(specs) if rope is not None
-                    and rope not in specs[:i]]
-        self.layer_tables = [None if rope is None else distinct.index(rope) for rope in specs]
-        self.num_tables = len(distinct)
-        for index, rope in enumerate(distinct):
-            cos, sin = cos_sin_cache(rope.rotary_dim, rope.theta, config.max_position_embeddings,
-                                     rope.scaling, device)
-            self.register_buffer(f"cos_{index}", cos, persistent=False)  # [positions, dim]
-            self.register_buffer(f"sin_{index}", sin, persistent=False)
-
-    def for_step(self, positions: torch.Tensor) -> list[StepRotary | NoRotary]:
-        """Each layer's rotary for a step's token positions."""
-        tables = [StepRotary(getattr(self, f"cos_{i}"), getattr(self, f"sin_{i}"), positions)
-                  for i in range(self.num_tables)]
-        return [NO_ROTARY if index is None else tables[index] for index in self.layer_tables]
-
-
 class LlamaModel(nn.Module):
     """Embeddings, `num_layers` pre-norm decoder layers, final norm, LM head (tied or not);
     with `tp` of size > 1, this rank's shard of them (module docstring)."""
@@ -243,7 +182,8 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.vocab_range = tp.shard(config.vocab_size)  # this rank's rows of embedding, head
         num_local_vocab = len(self.vocab_range)
-        self.embed_tokens = _empty(num_local_vocab, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = empty_parameter(num_local_vocab, config.hidden_size, dtype=dtype,
+                                            device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, attention_backend, dtype, device, tp)
             for i in range(config.num_layers)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from kvpool.model.layer_spec import MIXTRAL_NAMES, MoEConfig
-from kvpool.model.linear import Linear
+from kvpool.model.linear import Linear, empty_parameter
 from kvpool.model.moe_experts import experts_forward, group_by_expert
 from kvpool.model.parallel import ShardSlice, TensorParallel
 
@@ -134,8 +134,8 @@ class SparseMoE(nn.Module):
         self.intermediate_size = len(tp.shard(config.moe_intermediate_size))  # this rank's
         hidden, num_experts, local = config.hidden_size, config.num_experts, self.intermediate_size
         self.gate = Linear(hidden, num_experts, False, dtype, device)  # the router, replicated
-        self.w_gate_up = _empty(num_experts, 2 * local, hidden, dtype=dtype, device=device)
-        self.w_down = _empty(num_experts, hidden, local, dtype=dtype, device=device)
+        self.w_gate_up = empty_parameter(num_experts, 2 * local, hidden, dtype=dtype, device=device)
+        self.w_down = empty_parameter(num_experts, hidden, local, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce_(self.partial_forward(x))
@@ -174,9 +174,6 @@ class SparseMoE(nn.Module):
             targets[f"{prefix}{names.down}.weight"] = self.w_down[expert_id]
         return targets
 
-
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def checkpoint_slices(config: MoEConfig, tp: TensorParallel,

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from kvpool.kernels import fused
+from kvpool.model.config import ModelConfig
 
 
 def inverse_frequencies(
@@ -138,3 +140,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class RopeTables(nn.Module):
+    """The model's cos/sin tables, one pair per distinct `RopeSpec` among its layers, and which
+    pair (or none: NoPE) each layer rotates with."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str):
+        super().__init__()
+        specs = [layer.rope for layer in config.layer_specs]
+        distinct = [rope for i, rope in enumerate(specs) if rope is not None
+                    and rope not in specs[:i]]
+        self.layer_tables = [None if rope is None else distinct.index(rope) for rope in specs]
+        self.num_tables = len(distinct)
+        for index, rope in enumerate(distinct):
+            cos, sin = cos_sin_cache(rope.rotary_dim, rope.theta, config.max_position_embeddings,
+                                     rope.scaling, device)
+            self.register_buffer(f"cos_{index}", cos, persistent=False)  # [positions, dim]
+            self.register_buffer(f"sin_{index}", sin, persistent=False)
+
+    def for_step(self, positions: torch.Tensor) -> list[StepRotary | NoRotary]:
+        """Each layer's rotary for a step's token positions."""
+        tables = [StepRotary(getattr(self, f"cos_{i}"), getattr(self, f"sin_{i}"), positions)
+                  for i in range(self.num_tables)]
+        return [NO_ROTARY if index is None else tables[index] for index in self.layer_tables]
