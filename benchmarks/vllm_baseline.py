@@ -53,6 +53,7 @@ class VLLMBaseline:
                 "max_num_seqs": config.scheduling.max_num_seqs, "seed": config.load.seed,
                 "runs": [{"label": label, "requests": requests} for label, requests in runs],
                 "latency_prompt": runs[0][1][0][0], "latency_tokens": self.latency_tokens}
+        plan["max_model_len"] = longest_request(plan)
         return run_vllm(plan, vllm_kv_cache_gib(kv_cache_bytes), vllm_python(self.python))
 
 
@@ -74,6 +75,15 @@ def hf_model_directory(model: str | None) -> Path:
     if not (path / "config.json").exists():
         raise BaselineUnavailable(f"vLLM needs a GGUF file or a HuggingFace directory: {path}")
     return path
+
+
+def longest_request(plan: dict) -> int:
+    """The most tokens one of `plan`'s requests holds (prompt and output), vLLM's
+    `max_model_len`: vLLM refuses to start when a request of the model's full context (40960
+    tokens for Qwen3) would not fit its KV cache, while kvpool admits the requests it gets."""
+    requests = [request for run in plan["runs"] for request in run["requests"]]
+    latency = len(plan["latency_prompt"]) + plan["latency_tokens"] + 1
+    return max([latency, *(len(prompt) + max_tokens for prompt, max_tokens in requests)])
 
 
 def vllm_kv_cache_dtype(kv_cache_dtype: str) -> str:

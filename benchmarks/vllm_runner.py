@@ -7,7 +7,7 @@ It imports nothing from kvpool (kvpool is not installed there): the plan carries
 token ids included, so both engines see the same requests. Plan:
 
     {"model": HF directory, "dtype": str, "kv_cache_dtype": str, "max_num_seqs": int,
-     "seed": int,
+     "seed": int, "max_model_len": int (optional; default the model's),
      "runs": [{"label": str, "requests": [[prompt token ids, max_tokens], ...]}, ...],
      "latency_prompt": [token ids], "latency_tokens": int}
 
@@ -45,7 +45,8 @@ def main(plan_path: str, result_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=plan["model"], dtype=plan["dtype"], max_num_seqs=plan["max_num_seqs"],
-              seed=plan["seed"], kv_cache_dtype=plan.get("kv_cache_dtype", "auto"))
+              seed=plan["seed"], kv_cache_dtype=plan.get("kv_cache_dtype", "auto"),
+              max_model_len=plan.get("max_model_len"))
     result = {
         "vllm_version": vllm.__version__,
         "load_s": time.perf_counter() - start,

@@ -1,19 +1,22 @@
 """Named model shapes for dummy weights, tests and benchmarks (`preset`): the real
 models' `config.json` facts, no weights.
 
-The newer presets are written as the model's own `config.json` fields and read by the same
-reader as a downloaded model (`kvpool.model.hf_config`), so per-layer facts (SmolLM3's NoPE
-layers) come from one place.
+The newer presets are written as the model's own `config.json` fields (`CONFIG_JSON`) and read
+by the same reader as a downloaded model (`kvpool.model.hf_config`), so per-layer facts
+(SmolLM3's NoPE layers) come from one place, and a checkpoint of random weights for another
+engine is written from the same fields (`preset_config_json`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvpool.model.config import ModelConfig
-from kvpool.model.hf_config import config_from_hf
+from kvpool.model.hf_config import config_from_hf, plain_hf_config
 
 _LLAMA_3_VOCAB = dict(vocab_size=128256, bos_token_id=128000)
 
-PRESETS: dict[str, ModelConfig] = {
+_LEGACY: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
@@ -50,7 +53,12 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
         attention_bias=True, bos_token_id=151643, eos_token_ids=(151645, 151643),
     ),
-    "llama-3.2-1b": config_from_hf(dict(
+}
+
+# The newer presets as their models' `config.json` fields (the facts a checkpoint of random
+# weights is written from: `preset_config_json`).
+CONFIG_JSON: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
         model_type="llama", **_LLAMA_3_VOCAB, hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
         rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
@@ -58,43 +66,43 @@ PRESETS: dict[str, ModelConfig] = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
-    )),
-    "qwen3-0.6b": config_from_hf(dict(
+    ),
+    "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=[151645, 151643],
-    )),
-    "qwen3-4b": config_from_hf(dict(
+    ),
+    "qwen3-4b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=[151645, 151643],
-    )),
-    "smollm3-3b": config_from_hf(dict(
+    ),
+    "smollm3-3b": dict(
         model_type="smollm3", **_LLAMA_3_VOCAB, hidden_size=2048, intermediate_size=11008,
         num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
         rms_norm_eps=1e-6, rope_theta=5000000.0, max_position_embeddings=65536,
         tie_word_embeddings=True, eos_token_id=128012, no_rope_layer_interval=4,
-    )),
-    "qwen3-30b-a3b": config_from_hf(dict(
+    ),
+    "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
         bos_token_id=151643, eos_token_id=151645,
-    )),
-    "gemma-3-1b": config_from_hf(dict(
+    ),
+    "gemma-3-1b": dict(
         model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
         num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
         query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
         rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
         max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2,
         eos_token_id=[1, 106], hidden_activation="gelu_pytorch_tanh",
-    )),
+    ),
     # The text decoder of Gemma 3 4B (a multimodal checkpoint's text_config).
-    "gemma-3-4b": config_from_hf(dict(
+    "gemma-3-4b": dict(
         model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
         num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
         query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
@@ -102,8 +110,12 @@ PRESETS: dict[str, ModelConfig] = {
         rope_local_base_freq=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
         tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
         hidden_activation="gelu_pytorch_tanh",
-    )),
+    ),
 }
+
+
+PRESETS: dict[str, ModelConfig] = {
+    **_LEGACY, **{name: config_from_hf(fields) for name, fields in CONFIG_JSON.items()}}
 
 
 def preset(name: str) -> ModelConfig:
@@ -113,3 +125,11 @@ def preset(name: str) -> ModelConfig:
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
 
+
+
+def preset_config_json(name: str) -> dict[str, Any]:
+    """The `config.json` fields of a preset, as transformers or vLLM read them beside random
+    weights (`benchmarks.random_checkpoint`)."""
+    if name in CONFIG_JSON:
+        return dict(CONFIG_JSON[name])
+    return plain_hf_config(preset(name))

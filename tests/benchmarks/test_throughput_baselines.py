@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.throughput_baselines import main
-from benchmarks.vllm_baseline import vllm_kv_cache_gib
+from benchmarks.vllm_baseline import longest_request, vllm_kv_cache_gib
 from kvpool.bench.throughput import Workload
 
 TINY = ["--model", "tiny", "--load-format", "dummy", "--dtype", "float32"]
@@ -76,3 +76,9 @@ def test_the_llamacpp_baseline_without_its_venv_fails_before_running_anything(tm
 def test_the_llamacpp_baseline_needs_a_gguf_file(tmp_path):
     with pytest.raises(SystemExit, match="needs a GGUF file"):
         main(["--baseline", "llamacpp", *TINY])
+
+
+def test_vllm_is_sized_for_the_longest_request_not_the_models_context():
+    plan = {"runs": [{"label": "2", "requests": [[[1] * 30, 5], [[1] * 10, 40]]}],
+            "latency_prompt": [1] * 30, "latency_tokens": 8}
+    assert longest_request(plan) == 50

@@ -1,0 +1,82 @@
+"""A HuggingFace directory of a preset's shapes holding the dummy loader's random weights, so
+that an engine that loads only real checkpoints (vLLM) races kvpool on the same weights.
+
+    python -m benchmarks.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b [--dtype bfloat16]
+
+`config.json` is the preset's own fields (`kvpool.model.presets.preset_config_json`) plus the
+`architectures` entry vLLM picks its model class by. The real tokenizers cannot be downloaded
+here, so the directory gets the bundled SmolLM2 tokenizer: its ids (< 49152) lie inside every
+preset's vocabulary, which is all a throughput run with `ignore_eos` needs of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+
+def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16") -> Path:
+    """Write preset `name` with the dummy loader's weights (seed 0) in `dtype` as a HuggingFace
+    directory at `directory`; returns it. Written aside and moved, so a partial write never
+    stands in for a whole one."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from kvpool.model.loaders.dummy import DummyLoader
+    from kvpool.model.presets import preset, preset_config_json
+
+    config, fields = preset(name), preset_config_json(name)
+    fields["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[fields["model_type"]]]
+    fields["torch_dtype"] = dtype
+    if config.vocab_size < 49152:
+        raise ValueError(f"{name}'s vocabulary ({config.vocab_size}) is smaller than SmolLM2's")
+    partial = directory.with_name(directory.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    weights = {_hf_name(key): tensor.to(getattr(torch, dtype)).contiguous() for key, tensor
+               in DummyLoader(config).iter_weights(config, torch.device("cpu"))}
+    save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    (partial / "config.json").write_text(json.dumps(fields, indent=1))
+    _copy_tokenizer(partial)
+    partial.rename(directory)
+    return directory
+
+
+def _hf_name(name: str) -> str:
+    """The HuggingFace name of a kvpool checkpoint tensor name (the decoder's under `model.`)."""
+    return name if name == "lm_head.weight" else f"model.{name}"
+
+
+def _copy_tokenizer(directory: Path) -> None:
+    from benchmarks.hf_export import hf_directory_for
+    from kvpool.model import default_model_path
+
+    source = hf_directory_for(default_model_path())
+    for file in TOKENIZER_FILES:
+        if (source / file).exists():
+            shutil.copy(source / file, directory / file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.random_checkpoint",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", help="a kvpool preset name (e.g. qwen3-0.6b)")
+    parser.add_argument("directory", type=Path, help="where to write it (must not exist)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    args = parser.parse_args(argv)
+    if args.directory.exists():
+        print(f"random_checkpoint: error: {args.directory} exists", file=sys.stderr)
+        return 2
+    print(write_random_checkpoint(args.preset, args.directory, args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

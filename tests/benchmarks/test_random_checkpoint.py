@@ -1,0 +1,57 @@
+"""A preset written as a HuggingFace directory of random weights is what transformers (and so
+vLLM) expects of that architecture: every tensor, by name and shape, and a config it reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from benchmarks.random_checkpoint import _hf_name, write_random_checkpoint
+from kvpool.model.llama import checkpoint_shapes
+from kvpool.model.presets import CONFIG_JSON, preset, preset_config_json
+
+
+def transformers_shapes(fields: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors transformers' causal LM of `fields` loads (tied heads left out), built on
+    the meta device: no memory is used."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
+
+
+# transformers 5 holds an MoE layer's experts fused in memory (converted from the per-expert
+# checkpoint names on load), so its state dict cannot be compared with a checkpoint's names.
+DENSE_PRESETS = sorted(name for name in CONFIG_JSON if preset(name).moe is None)
+
+
+@pytest.mark.parametrize("name", DENSE_PRESETS)
+def test_every_config_json_preset_has_transformers_tensor_names_and_shapes(name):
+    ours = {_hf_name(key): shape for key, shape in checkpoint_shapes(preset(name)).items()}
+    assert ours == transformers_shapes(preset_config_json(name))
+
+
+def test_a_written_checkpoint_holds_the_dummy_weights_under_their_hf_names(tmp_path):
+    directory = write_random_checkpoint("qwen3-0.6b", tmp_path / "qwen3")
+    fields = json.loads((directory / "config.json").read_text())
+    assert fields["architectures"] == ["Qwen3ForCausalLM"] and fields["torch_dtype"] == "bfloat16"
+    assert not (tmp_path / "qwen3.partial").exists()
+    with safe_open(str(directory / "model.safetensors"), "pt") as file:
+        shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}  # noqa: SIM118
+        assert file.get_tensor("model.norm.weight").dtype == torch.bfloat16
+    assert shapes == transformers_shapes(fields)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert max(tokenizer("The pool holds every block.")["input_ids"]) < fields["vocab_size"]
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="smaller than SmolLM2's"):
+        write_random_checkpoint("tiny", tmp_path / "tiny")
