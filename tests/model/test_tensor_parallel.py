@@ -47,6 +47,7 @@ TINY_CONFIGS = {
 # and gate_up_proj (split, then sliced) and partial rotary (each keeps the shape
 # of tests/model/test_architectures.py, with a vocabulary the steps' token ids fit).
 HF_KINDS = ("gemma3_text", "qwen3_moe", "phi3")
+GGUF_KINDS = {"phi3-gguf": "phi3"}  # llama.cpp's fused attn_qkv and ffn_up: read whole, split
 # Two sequences: step 1 prefills both, step 2 decodes the first and continues the second.
 STEPS = [
     [SequenceChunk([5, 17, 42, 7, 99, 3], 0, [3, 1]),
@@ -123,13 +124,18 @@ def assert_same_logits(sharded: torch.Tensor, reference: torch.Tensor, atol: flo
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     from tests.model.test_architectures import save_tiny
+    from tests.model.test_loaders import write_gguf
 
     root = tmp_path_factory.mktemp("tp_checkpoints")
     checkpoints = {key: save_hf_checkpoint(root / key, config)
                    for key, config in TINY_CONFIGS.items()}
     for kind in HF_KINDS:
-        save_tiny(root / kind, kind, vocab_size=512)
+        hf_model = save_tiny(root / kind, kind, vocab_size=512)
         checkpoints[kind] = root / kind
+        for key in (key for key, arch in GGUF_KINDS.items() if arch == kind):
+            checkpoints[key] = root / f"{key}.gguf"
+            with torch.no_grad():
+                write_gguf(checkpoints[key], hf_model, arch=kind, qtype=Q.Q8_0)
     return checkpoints
 
 
@@ -139,8 +145,8 @@ def two_ranks(tiny_checkpoints, tmp_path_factory) -> list[dict]:
     return run_ranks(2, sources, tmp_path_factory.mktemp("tp2"))
 
 
-@pytest.mark.parametrize("key", sorted(TINY_CONFIGS) + sorted(HF_KINDS))
-def test_safetensors_shards_compute_the_tp1_logits(two_ranks, tiny_checkpoints, key):
+@pytest.mark.parametrize("key", sorted(TINY_CONFIGS) + sorted(HF_KINDS) + sorted(GGUF_KINDS))
+def test_checkpoint_shards_compute_the_tp1_logits(two_ranks, tiny_checkpoints, key):
     assert two_ranks[1][key]["logits"] is None  # only rank 0 gets logits
     assert_same_logits(two_ranks[0][key]["logits"], tp1_logits(tiny_checkpoints[key]), 1e-4)
 
