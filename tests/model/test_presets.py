@@ -82,3 +82,14 @@ def test_the_phi_4_mini_preset_keeps_its_rotary_longrope_and_exact_size():
     assert scaling["rope_type"] == "longrope"
     assert scaling["original_max_position_embeddings"] == 4096
     assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == rope.rotary_dim // 2
+
+
+@pytest.mark.usefixtures("memory_heavy")
+def test_phi_4_mini_with_two_of_its_layers_loads_and_steps_in_bf16():
+    # Every matrix shape of the real model (the 200064-row tied embedding, fused shapes split
+    # as they load, 96 rotated dimensions of 128) in 1.6 GB: two of its 32 layers.
+    config = PRESETS["phi-4-mini"]
+    config = config.replace(num_layers=2, layers=config.layers[:2])
+    loaded = load_model(config, "dummy", dtype="bfloat16")
+    logits = kvpool_step_logits(loaded, list(range(1, 14)), split=[9])
+    assert logits.shape == (2, config.vocab_size) and torch.isfinite(logits).all()
