@@ -17,6 +17,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
@@ -42,11 +43,42 @@ def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16")
     partial.mkdir(parents=True, exist_ok=True)
     weights = {_hf_name(key): tensor.to(getattr(torch, dtype)).contiguous() for key, tensor
                in DummyLoader(config).iter_weights(config, torch.device("cpu"))}
+    weights = fused_as_transformers_names(weights, transformers_names(fields))
     save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
     (partial / "config.json").write_text(json.dumps(fields, indent=1))
     _copy_tokenizer(partial)
     partial.rename(directory)
     return directory
+
+
+def transformers_names(fields: dict[str, Any]) -> set[str]:
+    """The tensor names transformers' causal LM of `fields` holds, from a model built on the
+    meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    return set(model.state_dict())
+
+
+def fused_as_transformers_names(weights: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """`weights` with the parts of each projection transformers keeps fused (Phi-3's
+    `qkv_proj`, `gate_up_proj`: `kvpool.model.fused_weights`) joined under its name."""
+    import torch
+
+    from kvpool.model.fused_weights import FUSED_PARTS
+
+    joined = dict(weights)
+    for name in names - set(weights):
+        parts = name.split(".")  # model.layers.N.<module>.<module>.weight
+        module = ".".join(parts[3:5])
+        if len(parts) != 6 or module not in FUSED_PARTS:
+            continue
+        prefix, kind = ".".join(parts[:3]), parts[5]
+        joined[name] = torch.cat([joined.pop(f"{prefix}.{part}.{kind}")
+                                  for part in FUSED_PARTS[module]])
+    return joined
 
 
 def _hf_name(name: str) -> str:

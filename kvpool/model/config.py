@@ -70,7 +70,6 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # embeddings × this, in the model's dtype (Gemma: √hidden)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap · tanh(logits / cap) (Gemma)
-    fused_projections: bool = False  # checkpoints hold qkv_proj and gate_up_proj (Phi-3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layers: tuple[LayerSpec, ...] = ()  # one per layer; () = all full attention, the model's RoPE

@@ -7,6 +7,17 @@ RoPE from llama.cpp's fixed interval (every fourth layer: it reads no key for it
 five sliding layers to one full, its sliding layers' RoPE base (10000) and its attention scale,
 all fixed in llama.cpp.
 
+Phi-3 (`phi3`, llama.cpp's `Phi3MiniModel` converter): the leading `rope.dimension_count`
+dimensions of each head rotate (partial rotary); LongRoPE's factors are the tensors
+`rope_factors_short.weight` and `rope_factors_long.weight` (given here as `rope_factors`), with
+`rope.scaling.original_context_length` and the attention factor the converter computes,
+sqrt(1 + ln(s) / ln(original)) for s = context_length / original (transformers' default too),
+stored as `rope.scaling.attn_factor`; no `rope.scaling.type` is written. A
+`attention.sliding_window` above 0 windows every layer, as transformers does (llama.cpp itself
+currently ignores Phi-3's window: llama.cpp#13676). Each position uses the short or the long
+factors by itself, as in kvpool's HF runs (`kvpool.model.rope`); llama.cpp instead picks one
+set for the whole context from its size.
+
 GGUF's `gemma3` is kvpool's `gemma3_text` (transformers' name for the text decoder). llama.cpp's
 converter adds Gemma's 1 to every RMSNorm weight as it writes them, so the file's norms need no
 offset (`norm_offset` 0).
@@ -25,7 +36,7 @@ are refused by key.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from kvpool.model.config import ModelConfig
@@ -35,14 +46,17 @@ from kvpool.model.layer_spec import MIXTRAL_NAMES, QWEN3_MOE_NAMES, LayerSpec, M
 SMOLLM3_NO_ROPE_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for smollm3
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every sixth gemma3 layer is full attention
 GEMMA3_SLIDING_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "qwen3moe", "phi3")
+PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS = "rope_factors_short.weight", "rope_factors_long.weight"
 # GGUF architecture -> kvpool's (HF model_type); `llama` with experts is `mixtral`.
 _KVPOOL_NAMES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 _SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX
 
 
-def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
-    """The `ModelConfig` of a GGUF file; `UnsupportedFeature` for an architecture kvpool lacks."""
+def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str],
+                     rope_factors: Mapping[str, Sequence[float]] | None = None) -> ModelConfig:
+    """The `ModelConfig` of a GGUF file; `UnsupportedFeature` for an architecture kvpool lacks.
+    `rope_factors`: the values of the file's LongRoPE factor tensors (Phi-3), by tensor name."""
     arch = metadata["general.architecture"]
     if arch not in ARCHITECTURES:
         raise UnsupportedFeature(f"unsupported GGUF architecture {arch!r}; supported: "
@@ -56,6 +70,8 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str])
     config = ModelConfig(architecture=name, **_shared_fields(metadata, key, tensor_names))
     if arch == "gemma3":
         return _gemma3(config, key)
+    if arch == "phi3":
+        return _phi3(config, key, rope_factors or {})
     config = _ARCH_FIELDS.get(arch, lambda config, names: config)(config, tensor_names)
     return config if moe is None else _every_layer_sparse(config, moe, tensor_names)
 
@@ -114,6 +130,36 @@ def _gemma3(config: ModelConfig, key: Callable[..., Any]) -> ModelConfig:
         layers=layers, qk_norm=True, hidden_act="gelu_pytorch_tanh", sandwich_norms=True,
         embedding_multiplier=config.hidden_size**0.5, query_pre_attn_scalar=scalar,
         final_logit_softcapping=key("final_logit_softcapping"))
+
+
+def _phi3(config: ModelConfig, key: Callable[..., Any],
+          rope_factors: Mapping[str, Sequence[float]]) -> ModelConfig:
+    scaling = _longrope(key, rope_factors)
+    rope = RopeSpec(config.rope_theta, scaling, key("rope.dimension_count") or config.head_dim)
+    window = key("attention.sliding_window") or None  # 0: none (Phi-4-mini)
+    layers = tuple(LayerSpec(rope, window) for _ in range(config.num_layers))
+    return config.replace(rope_scaling=scaling, layers=layers)
+
+
+def _longrope(key: Callable[..., Any],
+              rope_factors: Mapping[str, Sequence[float]]) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE scaling (None without factor tensors: Phi-3-mini-4k); ValueError
+    naming what a file with only some of its parts lacks."""
+    names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS)
+    present = [name for name in names if name in rope_factors]
+    if not present:
+        return None
+    original = key("rope.scaling.original_context_length")
+    if len(present) < 2 or not original:
+        lacking = [name for name in names if name not in present]
+        lacking += [] if original else ["rope.scaling.original_context_length"]
+        raise ValueError(f"GGUF phi3 LongRoPE lacks {', '.join(lacking)}")
+    scaling = {"rope_type": "longrope", "short_factor": tuple(rope_factors[PHI3_SHORT_FACTORS]),
+               "long_factor": tuple(rope_factors[PHI3_LONG_FACTORS]),
+               "original_max_position_embeddings": original}
+    attention_factor = key("rope.scaling.attn_factor")
+    return scaling if attention_factor is None else {**scaling,
+                                                     "attention_factor": attention_factor}
 
 
 def _experts(arch: str, key: Callable[..., Any]) -> MoEConfig | None:

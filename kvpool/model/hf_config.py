@@ -198,7 +198,7 @@ def _phi3(config: HFConfig) -> dict[str, Any]:
     rope = RopeSpec(fields["rope_theta"], scaling, int(fields["head_dim"] * partial))
     window = config.get("sliding_window")
     layers = tuple(LayerSpec(rope, window) for _ in range(fields["num_layers"]))
-    return {**fields, "rope_scaling": scaling, "layers": layers, "fused_projections": True}
+    return {**fields, "rope_scaling": scaling, "layers": layers}
 
 
 def _with_experts(config: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ the batch reaches attention through globals. Logits are computed only for `logit
 Weights: parameters are allocated empty (no random init) in the requested dtype and device and
 filled by `load_weights` from *checkpoint names* (HuggingFace names without the `model.` prefix,
 e.g. `layers.0.self_attn.q_proj.weight`). Q/K/V and gate/up are stored fused, one matmul each;
-`load_weights` copies each checkpoint tensor into its slice of the fused parameter. Every matmul
+`load_weights` copies each checkpoint tensor into its slice of the fused parameter (checkpoints
+that fuse them too, Phi-3's, are split first: `kvpool.model.fused_weights`). Every matmul
 is a `Linear` (`kvpool.model.linear`); `pack_weights()`, called once the weights are in, lays
 them out for the CPU's oneDNN matmul (a 2-3x faster decode step on the CPU).
 
@@ -41,11 +42,12 @@ from kvpool.attention.backend import AttentionBackend
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.kernels import fused
 from kvpool.model.config import ModelConfig
+from kvpool.model.fused_weights import split_fused
 from kvpool.model.linear import Linear, empty_parameter
 from kvpool.model.moe import SparseMoE
 from kvpool.model.moe import shard_slice as moe_shard_slice
 from kvpool.model.norms import HeadNorm, RMSNorm
-from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes
+from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes, take_slice
 from kvpool.model.rope import NoRotary, RopeTables, StepRotary
 
 
@@ -264,12 +266,6 @@ class LlamaModel(nn.Module):
             q, k, v = attn.q_size, attn.kv_size, attn.kv_size
             for norm_name, norm in layer.checkpoint_norms(self.config.sandwich_norms).items():
                 targets[prefix + norm_name + ".weight"] = norm.weight
-            if self.config.fused_projections:  # Phi-3: the fused parameters as they are
-                targets[prefix + "self_attn.qkv_proj.weight"] = attn.qkv.weight
-                targets[prefix + "self_attn.o_proj.weight"] = attn.o_proj.weight
-                targets[prefix + "mlp.gate_up_proj.weight"] = mlp.gate_up.weight
-                targets[prefix + "mlp.down_proj.weight"] = mlp.down.weight
-                continue
             for kind, qkv in (("weight", attn.qkv.weight), ("bias", attn.qkv.bias)):
                 if qkv is None:
                     continue
@@ -294,14 +290,15 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (any dtype or device) into the parameters. Under tensor
-        parallelism each tensor must already be this rank's slice (`checkpoint_slices`).
+        parallelism each tensor must already be this rank's slice (`checkpoint_slices`), but
+        for fused ones (Phi-3's `qkv_proj`, `gate_up_proj`), given whole and split here.
 
         Raises ValueError naming the tensor for an unknown name, a shape mismatch, or a tensor
         the model needs that `weights` never gave.
         """
         targets = self.checkpoint_tensors()
         missing = set(targets)
-        for name, tensor in weights:
+        for name, tensor in _unfused(self.config, self.tp, weights):
             target = targets.get(name)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
@@ -371,6 +368,19 @@ def shard_slice(config: ModelConfig, tp: TensorParallel, name: str) -> ShardSlic
     if len(part) == total:
         return None
     return dim, slice(part.start * width, part.stop * width)
+
+
+def _unfused(config: ModelConfig, tp: TensorParallel,
+             weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """`weights` with each fused tensor (whole) replaced by its parts, each cut to `tp`'s
+    rank's slice as the unfused checkpoint tensor of that name would be."""
+    for name, tensor in weights:
+        parts = split_fused(config, name, tensor)
+        if parts is None:
+            yield name, tensor
+            continue
+        for part_name, part in parts:
+            yield part_name, take_slice(part, shard_slice(config, tp, part_name))
 
 
 def _is_expert_name(config: ModelConfig, name: str) -> bool:

@@ -171,9 +171,6 @@ def check_shapes(config: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    if config.fused_projections:
-        raise ValueError(f"tensor_parallel_size {size}: {config.architecture}'s fused qkv_proj "
-                         "and gate_up_proj checkpoint tensors are not sharded yet (use 1)")
     checks = (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size),
               ("vocab_size", config.vocab_size))
     for name, value in checks:

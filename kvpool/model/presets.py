@@ -15,6 +15,16 @@ from kvpool.model.config import ModelConfig
 from kvpool.model.hf_config import config_from_hf, plain_hf_config
 
 _LLAMA_3_VOCAB = dict(vocab_size=128256, bos_token_id=128000)
+# Phi-4-mini-instruct's LongRoPE factors, one per rotated pair (96 of each head's 128
+# dimensions rotate): config.json's `rope_scaling` as published (the short ones are all 1.0).
+_PHI_4_MINI_LONG_FACTOR = [
+    1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817,
+    2.187582649, 2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023,
+    4.785517845, 5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372,
+    10.4687158, 11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807,
+    22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66,
+    32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77,
+]
 
 _LEGACY: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -110,6 +120,18 @@ CONFIG_JSON: dict[str, dict[str, Any]] = {
         rope_local_base_freq=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
         tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
         hidden_activation="gelu_pytorch_tanh",
+    ),
+    # Phi-4-mini-instruct: fused checkpoints, 3/4 of each head rotates, LongRoPE past 4096
+    # tokens; its window (262144) exceeds its context, so attention is full in effect.
+    "phi-4-mini": dict(
+        model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+        partial_rotary_factor=0.75, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                      "long_factor": _PHI_4_MINI_LONG_FACTOR},
+        sliding_window=262144, tie_word_embeddings=True, bos_token_id=199999,
+        eos_token_id=200020,
     ),
 }
 

@@ -9,7 +9,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks.random_checkpoint import _hf_name, write_random_checkpoint
+from benchmarks.random_checkpoint import (
+    _hf_name,
+    fused_as_transformers_names,
+    write_random_checkpoint,
+)
 from kvpool.model.llama import checkpoint_shapes
 from kvpool.model.presets import CONFIG_JSON, preset, preset_config_json
 
@@ -33,8 +37,11 @@ DENSE_PRESETS = sorted(name for name in CONFIG_JSON if preset(name).moe is None)
 
 @pytest.mark.parametrize("name", DENSE_PRESETS)
 def test_every_config_json_preset_has_transformers_tensor_names_and_shapes(name):
-    ours = {_hf_name(key): shape for key, shape in checkpoint_shapes(preset(name)).items()}
-    assert ours == transformers_shapes(preset_config_json(name))
+    expected = transformers_shapes(preset_config_json(name))
+    ours = {_hf_name(key): torch.empty(shape, device="meta")
+            for key, shape in checkpoint_shapes(preset(name)).items()}
+    ours = fused_as_transformers_names(ours, set(expected))
+    assert {key: tuple(t.shape) for key, t in ours.items()} == expected
 
 
 def test_a_written_checkpoint_holds_the_dummy_weights_under_their_hf_names(tmp_path):

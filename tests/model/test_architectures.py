@@ -119,7 +119,7 @@ def test_the_config_keeps_the_architectures_features(checkpoint):
         assert config.tie_word_embeddings
     if kind == "phi3":
         assert {layer.rope.rotary_dim for layer in config.layer_specs} == {12}
-        assert config.rope_scaling["rope_type"] == "longrope" and config.fused_projections
+        assert config.rope_scaling["rope_type"] == "longrope"
     if kind in ("qwen3_moe", "mixtral"):
         assert config.moe.num_experts == 8 and config.moe.top_k == 2
         sparse = [layer.sparse_mlp for layer in config.layer_specs]
@@ -201,6 +201,73 @@ def test_the_gguf_file_matches_transformers(kind, tmp_path):
     ours = kvpool_step_logits(loaded, token_ids, split)
     reference = hf_logits_at(hf_model, token_ids, [end - 1 for end in [*split, 20]])
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-5)
+
+
+def _greedy_with_prompt_logprobs(source: Path, prompt: list[int]) -> tuple[list[int], list]:
+    from kvpool import LLM, SamplingParams
+
+    llm = LLM(model=str(source), dtype="float32", max_num_batched_tokens=64,
+              kv_cache_memory=1 << 24)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    logprobs = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:],
+                                                             prompt[1:], strict=True)]
+    return list(output.outputs[0].token_ids), logprobs
+
+
+def test_a_phi3_gguf_runs_as_its_safetensors_past_the_original_context(tmp_path):
+    # llama.cpp's phi3 file: fused attn_qkv and ffn_up (gate rows, then up rows), partial rotary
+    # as rope.dimension_count, LongRoPE's factors as tensors. A 150-token prompt and 12 greedy
+    # tokens cross original_max_position_embeddings (128): short factors, then long ones.
+    hf_model = save_tiny(tmp_path / "unrounded", "phi3")
+    with torch.no_grad():
+        write_gguf(tmp_path / "tiny.gguf", hf_model, arch="phi3",
+                   qtype=GGMLQuantizationType.F16)
+    hf_model.save_pretrained(tmp_path / "hf")  # the weights as the file holds them
+    config, hf_config = (make_loader(tmp_path / name).load_config() for name in ("tiny.gguf", "hf"))
+    assert [(spec.rope.rotary_dim, spec.sliding_window) for spec in config.layer_specs] == [
+        (12, None)] * 2
+    scaling, hf_scaling = config.rope_scaling, hf_config.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 128
+    for key in ("short_factor", "long_factor"):
+        assert torch.equal(torch.tensor(scaling[key]), torch.tensor(hf_scaling[key]))
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(9)).tolist()
+    tokens, logprobs = _greedy_with_prompt_logprobs(tmp_path / "tiny.gguf", prompt)
+    hf_tokens, hf_logprobs = _greedy_with_prompt_logprobs(tmp_path / "hf", prompt)
+    assert tokens == hf_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(hf_logprobs), atol=1e-5,
+                               rtol=0)
+
+
+PHI3_METADATA = {
+    "general.architecture": "phi3", "phi3.block_count": 2, "phi3.embedding_length": 64,
+    "phi3.feed_forward_length": 128, "phi3.attention.head_count": 4,
+    "phi3.attention.head_count_kv": 2, "phi3.context_length": 512, "phi3.vocab_size": 256,
+    "phi3.rope.dimension_count": 12, "phi3.rope.scaling.original_context_length": 128,
+    "phi3.attention.sliding_window": 0,
+}
+PHI3_FACTORS = {"rope_factors_short.weight": [1.0] * 6, "rope_factors_long.weight": [2.0] * 6}
+
+
+def test_a_phi3_gguf_without_factors_is_unscaled_and_its_window_is_read():
+    config = config_from_gguf({**PHI3_METADATA, "phi3.attention.sliding_window": 2047}, [])
+    assert config.rope_scaling is None  # Phi-3-mini-4k: no LongRoPE
+    assert {(spec.rope.rotary_dim, spec.sliding_window) for spec in config.layer_specs} == {
+        (12, 2047)}
+    scaled = config_from_gguf(PHI3_METADATA, PHI3_FACTORS, PHI3_FACTORS)
+    assert scaled.layer_specs[0].sliding_window is None  # 0: none (Phi-4-mini)
+    assert scaled.layer_specs[0].rope.scaling["long_factor"] == (2.0,) * 6
+
+
+@pytest.mark.parametrize(("drop", "lacking"), [
+    ("rope_factors_long.weight", "rope_factors_long.weight"),
+    ("phi3.rope.scaling.original_context_length", "original_context_length"),
+])
+def test_a_phi3_gguf_missing_part_of_longrope_is_refused_by_name(drop, lacking):
+    metadata = {key: value for key, value in PHI3_METADATA.items() if key != drop}
+    factors = {name: values for name, values in PHI3_FACTORS.items() if name != drop}
+    with pytest.raises(ValueError, match=f"LongRoPE lacks.*{lacking}"):
+        config_from_gguf(metadata, factors, factors)
 
 
 QWEN3MOE_METADATA = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import subprocess
 import sys
@@ -108,6 +109,10 @@ def test_gguf_names_map_to_checkpoint_names():
     assert checkpoint_name("token_embd.weight") == "embed_tokens.weight"
     assert checkpoint_name("blk.7.attn_q.bias") == "layers.7.self_attn.q_proj.bias"
     assert checkpoint_name("blk.0.ffn_norm.weight") == "layers.0.post_attention_layernorm.weight"
+    # Phi-3: fused q/k/v, and ffn_up holding gate and up.
+    assert checkpoint_name("blk.1.attn_qkv.weight") == "layers.1.self_attn.qkv_proj.weight"
+    assert (checkpoint_name("blk.1.ffn_up.weight", fused_up=True)
+            == "layers.1.mlp.gate_up_proj.weight")
     with pytest.raises(ValueError, match=r"'blk\.0\.ffn_gate_exps\.weight'"):
         checkpoint_name("blk.0.ffn_gate_exps.weight")
     # Mixtral: the router under its block's name, each stacked tensor as one name per expert.
@@ -212,6 +217,7 @@ _GGUF_PARTS = {
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's, fused
 }
 _GGUF_SANDWICH_PARTS = {  # Gemma's norm names (`ffn_norm` is the MLP's input norm there too)
     **_GGUF_PARTS, "post_attention_layernorm": "post_attention_norm",
@@ -260,6 +266,24 @@ def _add_experts(writer, config) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
+def _add_phi3_rope(writer, config) -> None:
+    """llama.cpp's Phi-3 keys: rotated dimensions, window (0: none), and LongRoPE's factors
+    as float32 tensors with the attention factor its converter computes."""
+    rope = config.rope_parameters
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0)
+                                        * config.hidden_size) // config.num_attention_heads)
+    writer.add_sliding_window(config.sliding_window or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    original = rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight",
+                          np.array(rope[f"{kind}_factor"], dtype=np.float32))
+
+
 def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
                sampling: dict | None = None) -> None:
     """Write `hf_model` as llama.cpp would (Q/K rows permuted for llama and smollm3; experts
@@ -290,6 +314,8 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
     _add_experts(writer, config)
+    if arch == "phi3":
+        _add_phi3_rope(writer, config)
     for hf_name, param in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue

@@ -21,7 +21,8 @@ from tests.model.test_loaders import kvpool_step_logits
 STEPPED_PRESETS = ["llama-3.2-1b", "qwen3-0.6b", "gemma-3-1b"]
 # name -> the parameter count its model card gives (billions, as rounded there).
 PUBLISHED_PARAMETERS = {"qwen3-4b": 4.0, "smollm3-3b": 3.1, "gemma-3-4b": 3.9,
-                        "qwen3-30b-a3b": 30.5, "llama-3.2-1b": 1.2, "qwen3-0.6b": 0.6}
+                        "qwen3-30b-a3b": 30.5, "llama-3.2-1b": 1.2, "qwen3-0.6b": 0.6,
+                        "phi-4-mini": 3.8}
 
 
 def resident_bytes() -> int:
@@ -66,3 +67,29 @@ def test_a_presets_shapes_hold_its_published_parameter_count(name):
         assert "lm_head.weight" not in checkpoint_shapes(config)
     assert abs(total / 1e9 - PUBLISHED_PARAMETERS[name]) < 0.06, total
 
+
+
+def test_the_phi_4_mini_preset_keeps_its_rotary_longrope_and_exact_size():
+    # 7.7 GB in bf16: checked by shape. 3,836,021,760 is the sum of the published
+    # checkpoint's tensors (tied: no lm_head), which the model card rounds to 3.8B.
+    config = PRESETS["phi-4-mini"]
+    assert sum(math.prod(shape) for shape in checkpoint_shapes(config).values()) == 3_836_021_760
+    assert config.head_dim == 128 and config.tie_word_embeddings
+    rope = config.layer_specs[0].rope
+    assert all(spec.rope == rope for spec in config.layer_specs)
+    assert rope.rotary_dim == 96 and rope.theta == 10000.0
+    scaling = rope.scaling
+    assert scaling["rope_type"] == "longrope"
+    assert scaling["original_max_position_embeddings"] == 4096
+    assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == rope.rotary_dim // 2
+
+
+@pytest.mark.usefixtures("memory_heavy")
+def test_phi_4_mini_with_two_of_its_layers_loads_and_steps_in_bf16():
+    # Every matrix shape of the real model (the 200064-row tied embedding, fused shapes split
+    # as they load, 96 rotated dimensions of 128) in 1.6 GB: two of its 32 layers.
+    config = PRESETS["phi-4-mini"]
+    config = config.replace(num_layers=2, layers=config.layers[:2])
+    loaded = load_model(config, "dummy", dtype="bfloat16")
+    logits = kvpool_step_logits(loaded, list(range(1, 14)), split=[9])
+    assert logits.shape == (2, config.vocab_size) and torch.isfinite(logits).all()

@@ -27,6 +27,7 @@ from kvpool.engine.model_runner import ModelRunner, SequenceChunk
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.model import default_model_path, presets
+from kvpool.model.fused_weights import split_fused
 from kvpool.model.llama import LlamaModel, checkpoint_slices
 from kvpool.model.loaders import load_model
 from kvpool.model.loaders.gguf_file import dequantize_tensor, read_slice
@@ -42,9 +43,11 @@ TINY_CONFIGS = {
                               attention_bias=True),
 }
 # Checkpoints written by transformers, for what the configs above cannot say: a mixture of
-# experts beside a dense layer, QK-norm, sliding windows, Gemma's norms (each keeps the shape
+# experts beside a dense layer, QK-norm, sliding windows, Gemma's norms, Phi-3's fused qkv_proj
+# and gate_up_proj (split, then sliced) and partial rotary (each keeps the shape
 # of tests/model/test_architectures.py, with a vocabulary the steps' token ids fit).
-HF_KINDS = ("gemma3_text", "qwen3_moe")
+HF_KINDS = ("gemma3_text", "qwen3_moe", "phi3")
+GGUF_KINDS = {"phi3-gguf": "phi3"}  # llama.cpp's fused attn_qkv and ffn_up: read whole, split
 # Two sequences: step 1 prefills both, step 2 decodes the first and continues the second.
 STEPS = [
     [SequenceChunk([5, 17, 42, 7, 99, 3], 0, [3, 1]),
@@ -121,13 +124,18 @@ def assert_same_logits(sharded: torch.Tensor, reference: torch.Tensor, atol: flo
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     from tests.model.test_architectures import save_tiny
+    from tests.model.test_loaders import write_gguf
 
     root = tmp_path_factory.mktemp("tp_checkpoints")
     checkpoints = {key: save_hf_checkpoint(root / key, config)
                    for key, config in TINY_CONFIGS.items()}
     for kind in HF_KINDS:
-        save_tiny(root / kind, kind, vocab_size=512)
+        hf_model = save_tiny(root / kind, kind, vocab_size=512)
         checkpoints[kind] = root / kind
+        for key in (key for key, arch in GGUF_KINDS.items() if arch == kind):
+            checkpoints[key] = root / f"{key}.gguf"
+            with torch.no_grad():
+                write_gguf(checkpoints[key], hf_model, arch=kind, qtype=Q.Q8_0)
     return checkpoints
 
 
@@ -137,8 +145,8 @@ def two_ranks(tiny_checkpoints, tmp_path_factory) -> list[dict]:
     return run_ranks(2, sources, tmp_path_factory.mktemp("tp2"))
 
 
-@pytest.mark.parametrize("key", sorted(TINY_CONFIGS) + sorted(HF_KINDS))
-def test_safetensors_shards_compute_the_tp1_logits(two_ranks, tiny_checkpoints, key):
+@pytest.mark.parametrize("key", sorted(TINY_CONFIGS) + sorted(HF_KINDS) + sorted(GGUF_KINDS))
+def test_checkpoint_shards_compute_the_tp1_logits(two_ranks, tiny_checkpoints, key):
     assert two_ranks[1][key]["logits"] is None  # only rank 0 gets logits
     assert_same_logits(two_ranks[0][key]["logits"], tp1_logits(tiny_checkpoints[key]), 1e-4)
 
@@ -178,6 +186,18 @@ def test_check_shapes_names_the_field_tp_cannot_split():
     with pytest.raises(ValueError, match="num_heads"):
         LlamaModel(TINY, TorchAttentionBackend(), tp=TensorParallel(0, 3))
     check_shapes(TINY.replace(num_kv_heads=1), 4)  # one KV head, replicated
+
+
+def test_fused_tensors_split_in_their_row_order_and_a_wrong_size_is_named():
+    config = TINY.replace(architecture="phi3")  # 4 query heads, 2 KV heads of 16; ffn 128
+    (gate_name, gate), (up_name, up) = split_fused(config, "layers.1.mlp.gate_up_proj.weight",
+                                                   torch.arange(256.0))
+    assert (gate_name, up_name) == ("layers.1.mlp.gate_proj.weight", "layers.1.mlp.up_proj.weight")
+    assert gate[-1] == 127 and up[0] == 128
+    assert split_fused(config, "layers.1.mlp.up_proj.weight", up) is None  # not fused
+    with pytest.raises(ValueError, match=r"'layers.0.self_attn.qkv_proj.weight' has 96 rows, "
+                                         r"the model expects 128 \(64 \+ 32 \+ 32"):
+        split_fused(config, "layers.0.self_attn.qkv_proj.weight", torch.zeros(96, 64))
 
 
 def test_checkpoint_slices():

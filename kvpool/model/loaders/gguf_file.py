@@ -9,6 +9,11 @@ HuggingFace's rotate-half layout (dimension i pairs with i + head_dim/2) to inte
 (2i with 2i+1), which its rotary kernel expects. Our rotary embedding uses the rotate-half layout,
 so for `llama` files the rows are put back. Qwen2 files are written without the reordering.
 
+Phi-3 (`phi3`) keeps its checkpoints' fused projections: `attn_qkv` is `qkv_proj` and `ffn_up`
+holds the gate's rows, then the up's (`gate_up_proj`); the model splits both as it loads them
+(`kvpool.model.fused_weights`), so under tensor parallelism they are read whole. Its LongRoPE
+factor tensors go into the config, not the model. Its Q/K rows are not reordered.
+
 Mixtures of experts: GGUF stacks a layer's experts, `ffn_{gate,up}_exps` [E, I, H] and
 `ffn_down_exps` [E, H, I], beside the router `ffn_gate_inp` [E, H]. The model takes the Hub's
 per-expert names (Qwen3-MoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`,
@@ -35,7 +40,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 
 from kvpool.model.config import ModelConfig
-from kvpool.model.gguf_config import config_from_gguf
+from kvpool.model.gguf_config import PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS, config_from_gguf
 from kvpool.model.layer_spec import ExpertNames, MoEConfig
 from kvpool.model.llama import shard_slice
 from kvpool.model.loaders.dequant import dequantize
@@ -55,6 +60,7 @@ _BLOCK_PART_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v rows in one tensor
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -75,18 +81,22 @@ _EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps":
 _ROUTER = "ffn_gate_inp"
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency factors, folded into the config
+_CONFIG_TENSORS = (_ROPE_FREQS, PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS)  # not the model's
 
 
 def checkpoint_name(gguf_name: str, sandwich_norms: bool = False,
-                    experts: ExpertNames | None = None) -> str:
+                    experts: ExpertNames | None = None, fused_up: bool = False) -> str:
     """The checkpoint name of a GGUF tensor name (`sandwich_norms`: Gemma's norm names;
-    `experts`: the names of a model with experts, for its router); ValueError for a tensor we
-    cannot place (stacked experts: see `expert_names`)."""
+    `experts`: the names of a model with experts, for its router; `fused_up`: `ffn_up` holds
+    gate and up, Phi-3's `gate_up_proj`); ValueError for a tensor we cannot place (stacked
+    experts: see `expert_names`)."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     parts = _SANDWICH_PART_NAMES if sandwich_norms else _BLOCK_PART_NAMES
     if experts is not None:
         parts = {**parts, _ROUTER: f"{experts.block}.gate"}
+    if fused_up:
+        parts = {**parts, "ffn_up": "mlp.gate_up_proj"}
     match = _BLOCK_NAME.fullmatch(gguf_name)
     if match is None or match.group(2) not in parts:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
@@ -174,7 +184,10 @@ class GGUFLoader:
         self.tensors: dict[str, ReaderTensor] = {t.name: t for t in reader.tensors}
 
     def load_config(self) -> ModelConfig:
-        config = config_from_gguf(self.metadata, self.tensors.keys())
+        rope_factors = {name: dequantize_tensor(self.tensors[name]).tolist()
+                        for name in (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS)
+                        if name in self.tensors}
+        config = config_from_gguf(self.metadata, self.tensors.keys(), rope_factors)
         if _ROPE_FREQS in self.tensors:
             factors = dequantize_tensor(self.tensors[_ROPE_FREQS]).tolist()
             config = config.replace(
@@ -188,9 +201,10 @@ class GGUFLoader:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         # llama.cpp's converter permutes Q/K rows for Llama and the models it converts as
         # Llama (SmolLM3), not for Qwen2/Qwen3.
-        is_permuted = self.metadata["general.architecture"] in ("llama", "smollm3")
+        arch = self.metadata["general.architecture"]
+        is_permuted = arch in ("llama", "smollm3")
         for gguf_name, tensor in self.tensors.items():
-            if gguf_name == _ROPE_FREQS:
+            if gguf_name in _CONFIG_TENSORS:
                 continue
             experts = expert_names(gguf_name, config.moe)
             if experts is not None:
@@ -198,7 +212,7 @@ class GGUFLoader:
                                strict=True)
                 continue
             names = config.moe.names if config.moe is not None else None
-            name = checkpoint_name(gguf_name, config.sandwich_norms, names)
+            name = checkpoint_name(gguf_name, config.sandwich_norms, names, arch == "phi3")
             weight = read_slice(tensor, shard_slice(config, tp, name), device)
             if is_permuted and (".q_proj." in name or ".k_proj." in name):
                 # Whole heads were read: put back each of the local ones.
@@ -217,7 +231,7 @@ class GGUFLoader:
     def load_tokenizer(self) -> Tokenizer | None:
         if "tokenizer.ggml.tokens" not in self.metadata:
             return None
-        eos_ids = config_from_gguf(self.metadata, self.tensors.keys()).eos_token_ids
+        eos_ids = self.load_config().eos_token_ids
         return Tokenizer.from_gguf(self.path, self.metadata, eos_ids)
 
     def load_generation_config(self) -> dict[str, Any]:
