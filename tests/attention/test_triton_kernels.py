@@ -130,21 +130,23 @@ def make_batch(
 
 
 def reference_with_scales(
-    batch: Batch, sliding_window: int | None = None
+    batch: Batch, sliding_window: int | None = None, logit_softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Output, updated cache and updated scales from the torch backend (on copies)."""
     kv_cache_layer = batch.kv_cache_layer.clone()
     kv_scales = None if batch.kv_scales is None else batch.kv_scales.clone()
     out = TorchAttentionBackend().forward(
         batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale, kv_scales,
-        sliding_window,
+        sliding_window, logit_softcap,
     )
     return out, kv_cache_layer, kv_scales
 
 
-def reference(batch: Batch, sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(
+    batch: Batch, sliding_window: int | None = None, logit_softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and updated cache from the torch backend (on a copy of the cache)."""
-    out, kv_cache_layer, _ = reference_with_scales(batch, sliding_window)
+    out, kv_cache_layer, _ = reference_with_scales(batch, sliding_window, logit_softcap)
     return out, kv_cache_layer
 
 
@@ -503,6 +505,51 @@ def test_windowed_attention_over_a_quantized_cache():
     actual = triton_backend.TritonAttentionBackend().forward(
         batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale,
         kv_scales, sliding_window=11,
+    )
+    assert_close(actual, expected, torch.float32)
+
+
+# ---------------------------------------------------------------- soft-capped scores
+# The torch reference is checked against dense capped attention (test_torch_ref.py). Queries x3:
+# scores with a standard deviation of about 3, so caps of 1 and 4 change most weights.
+
+
+@pytest.mark.parametrize("logit_softcap", [1.0, 4.0])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_soft_capped_decode_equals_reference(logit_softcap, sliding_window, num_splits):
+    batch = make_batch(WINDOW_DECODE_SEQS, 8, group_size=4, seed=11)
+    batch.query *= 3
+    expected, _ = reference(batch, sliding_window, logit_softcap)
+    uncapped, _ = reference(batch, sliding_window)
+    assert (expected - uncapped).abs().max() > 0.05  # the cap matters here
+    actual = run_decode(batch, num_splits=num_splits, config=triton_decode.DecodeConfig(16),
+                        sliding_window=sliding_window, logit_softcap=logit_softcap)
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("logit_softcap", [1.0, 4.0])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_soft_capped_prefill_equals_reference(logit_softcap, sliding_window):
+    batch = make_batch(WINDOW_PREFILL_SEQS, 8, group_size=4, seed=12)
+    batch.query *= 3
+    expected, _ = reference(batch, sliding_window, logit_softcap)
+    config = triton_prefill.PrefillConfig(block_m=16, block_n=16)
+    actual = run_prefill(batch, config=config, sliding_window=sliding_window,
+                         logit_softcap=logit_softcap)
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_soft_capped_backend_mixed_batch_equals_torch_backend(kv_dtype):
+    seq_shapes = [(0, 1), (12, 1), (63, 1), (0, 10), (9, 6), (32, 17)]
+    batch = make_batch(seq_shapes, 8, group_size=3, head_dim=24, seed=13, kv_dtype=kv_dtype)
+    batch.query *= 3
+    expected, _, _ = reference_with_scales(batch, 5, 2.0)
+    kv_scales = None if batch.kv_scales is None else batch.kv_scales.clone()
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer.clone(), batch.metadata,
+        batch.scale, kv_scales, sliding_window=5, logit_softcap=2.0,
     )
     assert_close(actual, expected, torch.float32)
 
