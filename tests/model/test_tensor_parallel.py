@@ -42,9 +42,10 @@ TINY_CONFIGS = {
                               attention_bias=True),
 }
 # Checkpoints written by transformers, for what the configs above cannot say: a mixture of
-# experts beside a dense layer, QK-norm, sliding windows, Gemma's norms (each keeps the shape
-# of tests/model/test_architectures.py, with a vocabulary the steps' token ids fit).
-HF_KINDS = ("gemma3_text", "qwen3_moe")
+# experts beside a dense layer, QK-norm, sliding windows, Gemma's norms, Gemma 2's capped
+# attention scores (each keeps the shape of tests/model/test_architectures.py, with a
+# vocabulary the steps' token ids fit).
+HF_KINDS = ("gemma2", "gemma3_text", "qwen3_moe")
 # Two sequences: step 1 prefills both, step 2 decodes the first and continues the second.
 STEPS = [
     [SequenceChunk([5, 17, 42, 7, 99, 3], 0, [3, 1]),
