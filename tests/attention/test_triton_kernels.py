@@ -749,6 +749,7 @@ def test_kernels_compile_for_sm90_without_spills(
     suffixes = [""] + ["_" + KV_DTYPE_IDS[getattr(torch, name)] for name in kv_dtypes]
     reading = [f"{kernel}{suffix}" for suffix in suffixes for kernel in ("decode", "decode_split")]
     reading += [f"prefill{suffix}" for suffix in suffixes]
+    reading += ["decode_softcap", "decode_split_softcap", "prefill_softcap"]
     writing = [f"write_kv{suffix}" for suffix in suffixes]
     assert set(builds) == {*reading, *writing, "decode_reduce", "copy_blocks"}
     for build in builds.values():
