@@ -835,6 +835,24 @@ def test_gpu_windowed_backend_realistic(dtype, sliding_window):
 
 @gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("sliding_window", [None, 4096])
+def test_gpu_soft_capped_backend_realistic(dtype, sliding_window):
+    # Gemma 2's shapes (head_dim 256, GQA 2, window 4096 on every other layer) with a cap of 5
+    # over scores of standard deviation ~3 (Gemma 2 caps at 50: far fewer scores reach it).
+    seq_shapes = [(8191, 1), (5000, 1), (300, 1), (0, 1500), (3000, 700), (40, 9)]
+    batch = make_batch(seq_shapes, 16, 4, 2, 256, dtype, seed=14)
+    batch.query *= 3
+    expected, expected_cache = reference(batch, sliding_window, 5.0)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale,
+        sliding_window=sliding_window, logit_softcap=5.0,
+    )
+    assert_close(actual, expected, dtype)
+    assert torch.equal(batch.kv_cache_layer, expected_cache)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=kv_id)
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 32)])
 def test_gpu_quantized_backend_realistic(dtype, kv_dtype, head_dim, block_size):
