@@ -23,6 +23,12 @@ attends to key position k exactly when `p - W < k <= p`, which is transformers' 
 `window_size=(W - 1, W - 1)`, in transformers 5.x). `None` is full causal attention, and so is
 any W at least the context length. The window is a property of the layer, constant over a run;
 every block stays allocated (freeing the blocks that fall out of the window is not done here).
+
+Attention logit soft-capping (Gemma 2; `attn_logit_softcapping` in its config.json):
+`logit_softcap=c` replaces each scaled score s = scale * q.k by `c * tanh(s / c)` before the
+mask and the softmax, as transformers' eager Gemma 2 attention does, so no score exceeds c in
+magnitude. `None` leaves scores as they are. Like the window it is a property of the model,
+constant over a run, and it composes with the window and with quantized KV.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class AttentionBackend(Protocol):
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
         sliding_window: int | None = None,  # the layer's window in tokens; None: full
+        logit_softcap: float | None = None,  # scores -> cap * tanh(score / cap); None: off
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -58,3 +65,9 @@ def check_sliding_window(sliding_window: int | None) -> None:
     """Raise `ValueError` unless the window is None or a positive number of tokens."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+
+
+def check_logit_softcap(logit_softcap: float | None) -> None:
+    """Raise `ValueError` unless the soft-cap is None or a positive number."""
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")

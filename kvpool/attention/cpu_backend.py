@@ -13,7 +13,8 @@ Inputs it does not cover (other dtypes or devices) take the reference path.
 
 Sliding window (`sliding_window=W`, `kvpool.attention.backend`): the kernel starts each
 sequence's walk at its window's first position, so the blocks before the window are never
-read; prefill masks the window as the reference does.
+read; prefill masks the window as the reference does. Soft-capped scores (`logit_softcap`) are
+capped by the kernel too (a runtime float, 0: off), prefill by the reference.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ def paged_decode(
     scale: float,
     kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One decode query per sequence attending to its paged context, or to its last
-    `sliding_window` positions (the C++ kernel); `kv_scales` exactly when the cache holds
-    int8 / fp8 codes."""
+    `sliding_window` positions (the C++ kernel), its scores soft-capped at `logit_softcap` if
+    given; `kv_scales` exactly when the cache holds int8 / fp8 codes."""
     load_cpu_kernels()
     return torch.ops.kvpool_cpu.paged_decode(
-        query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales, sliding_window or 0
+        query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales, sliding_window or 0,
+        logit_softcap or 0.0,
     )
 
 
@@ -61,13 +64,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         kv_scales: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         # A float cache is read as it is; a quantized one (int8 / fp8 codes) with its scales.
         cache_served = (is_kernel_float(kv_cache_layer) if kv_scales is None
                         else is_kv_code(kv_cache_layer.dtype))
         if query.device.type != "cpu" or not is_kernel_float(query) or not cache_served:
             return super()._decode(query, kv_cache_layer, metadata, scale, kv_scales,
-                                   sliding_window)
+                                   sliding_window, logit_softcap)
         num_decode = query.shape[0]
         return paged_decode(
             query,
@@ -77,4 +81,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             scale,
             kv_scales,
             sliding_window,
+            logit_softcap,
         )

@@ -23,6 +23,11 @@ blocks that hold its window (its block table read from the window's first block 
 the positions before the window; a prefill gathers from the first block any of its tokens sees
 and masks both sides of each token's window. W at least the context takes the full paths.
 
+Soft-capped scores (`logit_softcap=c`, `kvpool.attention.backend`): SDPA cannot cap its scores,
+so a capped call computes them explicitly (`softcapped_attention`: scores, `c * tanh(s / c)`,
+mask, softmax in float32, weighted sum), over the same gathered context and masks. The uncapped
+path is the SDPA one, untouched.
+
 Quantized KV (int8 / fp8 codes with `kv_scales`): the write (`kvpool.attention.kv_write`)
 quantizes each row, and the gather dequantizes the gathered copy of the codes
 into the query's dtype (`code * scale`). Being the reference, it may: the kernels dequantize in
@@ -39,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
-from kvpool.attention.backend import check_sliding_window
+from kvpool.attention.backend import check_logit_softcap, check_sliding_window
 from kvpool.attention.kv_write import write_kv
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.memory.kv_quant import dequantize
@@ -60,6 +65,26 @@ def grouped_query_sdpa(
     group_size = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group_size, 1), values.repeat_interleave(group_size, 1)
     return F.scaled_dot_product_attention(query, keys, values, **sdpa_options)
+
+
+def softcapped_attention(
+    query: torch.Tensor,  # [batch, num_heads, query_len, head_dim]
+    keys: torch.Tensor,  # [batch, num_kv_heads, context, head_dim]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcast to [batch, num_heads, query_len, context]
+    scale: float,
+    logit_softcap: float,
+) -> torch.Tensor:  # [batch, num_heads, query_len, head_dim]
+    """Attention with each score s soft-capped to `c * tanh(s / c)` before the mask (True:
+    attended) and the softmax, which run in float32; what SDPA would do, plus the cap."""
+    group_size = query.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group_size, 1) if group_size > 1 else keys
+    values = values.repeat_interleave(group_size, 1) if group_size > 1 else values
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(values.dtype), values)
 
 
 def gather_context(
@@ -236,20 +261,23 @@ class TorchAttentionBackend:
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         check_sliding_window(sliding_window)
+        check_logit_softcap(logit_softcap)
         write_kv(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
         if num_decode:
             output[:num_decode] = self._decode(
-                query[:num_decode], kv_cache_layer, metadata, scale, kv_scales, sliding_window
+                query[:num_decode], kv_cache_layer, metadata, scale, kv_scales, sliding_window,
+                logit_softcap,
             )
         starts = metadata.query_start_loc_cpu
         for seq_index in range(num_decode, metadata.num_seqs):
             self._prefill_one(
                 query, output, kv_cache_layer, metadata, seq_index, starts[seq_index], scale,
-                kv_scales, sliding_window,
+                kv_scales, sliding_window, logit_softcap,
             )
         return output
 
@@ -261,6 +289,7 @@ class TorchAttentionBackend:
         scale: float,
         kv_scales: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         if self._decode_plan is None or self._decode_plan[0] is not metadata:
             self._decode_plan = (metadata, {})
@@ -269,11 +298,12 @@ class TorchAttentionBackend:
             plans[sliding_window] = plan_decode_groups(metadata, sliding_window)
         groups = plans[sliding_window]
         if len(groups) == 1:
-            return self._decode_group(query, kv_cache_layer, groups[0], scale, kv_scales)
+            return self._decode_group(query, kv_cache_layer, groups[0], scale, kv_scales,
+                                      logit_softcap)
         output = torch.empty_like(query)
         for group in groups:
             output[group.rows] = self._decode_group(
-                query[group.rows], kv_cache_layer, group, scale, kv_scales
+                query[group.rows], kv_cache_layer, group, scale, kv_scales, logit_softcap
             )
         return output
 
@@ -284,6 +314,7 @@ class TorchAttentionBackend:
         group: DecodeGroup,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
         keys, values = gather_context(
@@ -291,6 +322,11 @@ class TorchAttentionBackend:
         )
         num_kv_heads = keys.shape[1]
         grouped_query = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if logit_softcap is not None:
+            out = softcapped_attention(grouped_query, keys.to(query.dtype),
+                                       values.to(query.dtype), group.is_valid, scale,
+                                       logit_softcap)
+            return out.reshape(num_seqs, num_heads, head_dim)
         out = F.scaled_dot_product_attention(
             grouped_query,
             keys.to(query.dtype),
@@ -311,6 +347,7 @@ class TorchAttentionBackend:
         scale: float,
         kv_scales: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         query_len = metadata.query_lens_cpu[seq_index]
         seq_len = metadata.seq_lens_cpu[seq_index]
@@ -329,7 +366,7 @@ class TorchAttentionBackend:
         keys = keys[:, :, :context_len].to(query.dtype)
         values = values[:, :, :context_len].to(query.dtype)
         seq_query = query[start : start + query_len].transpose(0, 1)[None]  # [1, H, q_len, D]
-        if query_len == seq_len and sliding_window is None:
+        if query_len == seq_len and sliding_window is None and logit_softcap is None:
             mask, is_causal = None, True  # nothing before the chunk: plain causal, no mask
         else:  # query j sits at position prefix_len + j and sees its window's positions
             query_positions = torch.arange(prefix_len, seq_len, device=query.device)[:, None]
@@ -337,7 +374,10 @@ class TorchAttentionBackend:
             mask, is_causal = context_positions <= query_positions, False
             if sliding_window is not None:
                 mask &= context_positions > query_positions - sliding_window
-        out = grouped_query_sdpa(
-            seq_query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale
-        )  # [1, H, q_len, D]
+        if logit_softcap is not None:
+            out = softcapped_attention(seq_query, keys, values, mask, scale, logit_softcap)
+        else:
+            out = grouped_query_sdpa(
+                seq_query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale
+            )  # [1, H, q_len, D]
         output[start : start + query_len] = out[0].transpose(0, 1)

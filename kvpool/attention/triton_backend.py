@@ -21,13 +21,16 @@ its reduction) and prefill, on the null block, with the call's own query, cache 
 That first call is the engine's start-up warm-up (`kvpool.engine.warmup`), on every rank.
 A sliding window (`sliding_window`) is a runtime scalar of both attention kernels, not a
 specialisation, so the variants the warm-up compiles serve every layer's window (or none).
+A soft-cap (`logit_softcap`) is a property of the whole model, so whether there is one is a
+constexpr: the variants are compiled per kind of call, capped or not, at the first call of that
+kind, which for a model is the warm-up (every layer of a capped model is capped).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpool.attention.backend import check_sliding_window
+from kvpool.attention.backend import check_logit_softcap, check_sliding_window
 from kvpool.attention.kv_write import write_kv_triton
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.attention.triton_decode import DecodeConfig, paged_decode
@@ -57,9 +60,11 @@ class TritonAttentionBackend:
         scale: float,
         kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads]
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         check_sliding_window(sliding_window)
-        self._compile_variants(query, kv_cache_layer, kv_scales)
+        check_logit_softcap(logit_softcap)
+        self._compile_variants(query, kv_cache_layer, kv_scales, logit_softcap)
         write_kv_triton(kv_cache_layer, key, value, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_seqs
@@ -76,6 +81,7 @@ class TritonAttentionBackend:
                 config=self.decode_config,
                 kv_scales=kv_scales,
                 sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         if num_decode < metadata.num_seqs:
             paged_prefill(
@@ -91,16 +97,19 @@ class TritonAttentionBackend:
                 kv_scales=kv_scales,
                 first_seq=num_decode,
                 sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         return output
 
     def _compile_variants(self, query: torch.Tensor, kv_cache_layer: torch.Tensor,
-                          kv_scales: torch.Tensor | None) -> None:
-        """Once per query/cache kind: launch each attention kernel variant a step can use, so
-        that Triton compiles them all now. One-token sequences over the null block (zero, only
-        read), outputs into scratch tensors; the KV write compiles in the same call."""
+                          kv_scales: torch.Tensor | None, logit_softcap: float | None) -> None:
+        """Once per query/cache kind, capped or not: launch each attention kernel variant a
+        step can use, so that Triton compiles them all now. One-token sequences over the null
+        block (zero, only read), outputs into scratch tensors; the KV write compiles in the
+        same call."""
         kind = (query.dtype, query.shape[1:], query.stride(), kv_cache_layer.dtype,
-                kv_cache_layer.shape[1:], kv_cache_layer.stride(), query.device)
+                kv_cache_layer.shape[1:], kv_cache_layer.stride(), query.device,
+                logit_softcap is not None)
         if kind in self._compiled or query.shape[0] == 0:
             return
         self._compiled.add(kind)
@@ -110,8 +119,9 @@ class TritonAttentionBackend:
         for num_splits in (1, 2):
             paged_decode(one_query, kv_cache_layer, table, seq_lens, 1.0, max_seq_len=1,
                          out=torch.empty_like(one_query), num_splits=num_splits,
-                         config=self.decode_config, kv_scales=kv_scales)
+                         config=self.decode_config, kv_scales=kv_scales,
+                         logit_softcap=logit_softcap)
         starts = torch.tensor([0, 1], dtype=torch.int32, device=query.device)
         paged_prefill(one_query, kv_cache_layer, starts, seq_lens, table, 1.0, max_query_len=1,
                       out=torch.empty_like(one_query), config=self.prefill_config,
-                      kv_scales=kv_scales)
+                      kv_scales=kv_scales, logit_softcap=logit_softcap)

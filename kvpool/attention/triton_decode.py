@@ -31,6 +31,13 @@ multiprocessor; `tests/attention/triton_compile.py`), peeling the first tile ~18
 runtime scalar (0: none), never a specialisation: one compiled variant serves every window and
 none.
 
+Soft-capped scores (`logit_softcap=c`, `kvpool.attention.backend`): with the constexpr
+`SOFTCAP` the score multiplier is `scale / c` instead of `scale * log2(e)`, and `soft_cap` turns
+each score t into `c * log2(e) * tanh(t)`, log2 units again, before the mask (tanh through the
+sigmoid, `2 * sigmoid(2t) - 1`: tl has no tanh). The cap is a property of the model, so the
+flag is too: the backend's warm-up compiles the variants the model uses (`triton_backend`), and
+`SOFTCAP=False` compiles to the uncapped kernel unchanged. The cap's value is a runtime float.
+
 Invariants: every sequence has `seq_len >= 1`; `block_tables[i]` holds valid ids for its first
 `ceil(seq_len / block_size)` entries; the K/V of every context token is already in the cache.
 """
@@ -138,6 +145,21 @@ def dequantize_tile(codes, scales, KV_QUANT: tl.constexpr, DTYPE: tl.constexpr):
         return codes
 
 
+def score_scales(scale: float, logit_softcap: float | None) -> tuple[float, float]:
+    """The kernels' two score multipliers, (score_scale, softcap_log2): without a cap the
+    softmax's log2 units `scale * log2(e)` (and an unused 0); with cap c, `scale / c`, the
+    tanh's argument, and `c * log2(e)`, which brings the tanh to log2 units."""
+    if logit_softcap is None:
+        return scale * LOG2_E, 0.0
+    return scale / logit_softcap, logit_softcap * LOG2_E
+
+
+@triton.jit
+def soft_cap(scores, softcap_log2):
+    """`softcap_log2 * tanh(scores)` for scores already divided by the cap (`score_scales`)."""
+    return softcap_log2 * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)
+
+
 @triton.jit
 def _window_start(seq_len, sliding_window):
     """The first context position a decode attends to: 0 without a window (0)."""
@@ -184,6 +206,7 @@ def _decode_kernel(
     out_ptr,
     lse_ptr,
     scale_log2,
+    softcap_log2,
     num_splits,
     sliding_window,
     stride_q_token,
@@ -210,6 +233,7 @@ def _decode_kernel(
     IS_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -243,6 +267,8 @@ def _decode_kernel(
 
         k = dequantize_tile(k, k_scales, KV_QUANT, q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         is_attended = token_mask & (tokens >= window_start)
         scores = tl.where(is_attended[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -348,9 +374,10 @@ def paged_decode(
     config: DecodeConfig | None = None,
     kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query token over its whole paged context, or over its
-    last `sliding_window` positions.
+    last `sliding_window` positions; scores soft-capped at `logit_softcap` if given.
 
     `max_seq_len` (a host int) drives the split heuristic; `num_splits` overrides it. A
     quantized cache (int8 / fp8 codes) needs its `kv_scales`.
@@ -372,13 +399,14 @@ def paged_decode(
             sliding_window,
         )
     cache = (kv_cache_layer, kv_scales)
+    scales = (scale, logit_softcap)
     if num_splits == 1:
-        _launch_decode(query, cache, block_tables, seq_lens, window, scale, config, out, None)
+        _launch_decode(query, cache, block_tables, seq_lens, window, scales, config, out, None)
         return out
     # [num_seqs, num_heads, num_splits, head_dim] outputs and [..., num_splits] log-sum-exps
     partial = query.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32)
     lse = query.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32)
-    _launch_decode(query, cache, block_tables, seq_lens, window, scale, config, partial, lse)
+    _launch_decode(query, cache, block_tables, seq_lens, window, scales, config, partial, lse)
     _reduce_kernel[(num_seqs, num_heads)](
         partial,
         lse,
@@ -405,12 +433,13 @@ def _launch_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     sliding_window: int,  # 0: none
-    scale: float,
+    scales: tuple[float, float | None],  # the attention scale and the soft-cap (or None)
     config: DecodeConfig,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], or per split with `lse`
     lse: torch.Tensor | None,  # [num_seqs, num_heads, num_splits] when split
 ) -> None:
     kv_cache_layer, kv_scales = cache
+    scale, logit_softcap = scales
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache_layer.shape[3]
     num_splits = 1 if lse is None else lse.shape[2]
@@ -426,7 +455,7 @@ def _launch_decode(
         seq_lens,
         out,
         out if lse is None else lse,
-        scale * LOG2_E,
+        *score_scales(scale, logit_softcap),
         num_splits,
         sliding_window,
         query.stride(0),
@@ -445,6 +474,7 @@ def _launch_decode(
         IS_SPLIT=lse is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         KV_QUANT=kv_quant_mode(kv_cache_layer, kv_scales),
+        SOFTCAP=logit_softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -26,6 +26,9 @@ window the first phase is empty and the walk is the two phases above. W is a run
     keys:   0                               lo           mid_begin       mid_end       last+1
             (lo, mid_begin and mid_end are multiples of block_n)
 
+Soft-capped scores (`logit_softcap`): as in decode (`triton_decode.soft_cap`, the constexpr
+`SOFTCAP`), each tile's scores are capped before its mask.
+
 Quantized KV (int8 / fp8 codes with `kv_scales`): every K/V tile is dequantized in registers
 (`triton_decode.load_kv_tile` and `dequantize_tile`, shared with decode), into the query's
 dtype, before the tile's dots.
@@ -43,7 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.attention.triton_decode import LOG2_E, dequantize_tile, dot_precision, load_kv_tile
+from kvpool.attention.triton_decode import (
+    dequantize_tile,
+    dot_precision,
+    load_kv_tile,
+    score_scales,
+    soft_cap,
+)
 from kvpool.attention.triton_kv import kv_quant_mode, scale_strides
 
 
@@ -76,6 +85,7 @@ def _attend_tiles(
     tile_begin,
     tile_end,
     scale_log2,
+    softcap_log2,
     stride_kv_block,
     stride_kv_kv,
     stride_kv_slot,
@@ -90,6 +100,7 @@ def _attend_tiles(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold context tokens [tile_begin, tile_end) into the running softmax state; `CAUSAL`
     masks each row's keys to its window `row_pos - window < k <= row_pos`, else every key of
@@ -108,6 +119,8 @@ def _attend_tiles(
         k = dequantize_tile(k, k_scales, KV_QUANT, q.dtype)
         v = dequantize_tile(v, v_scales, KV_QUANT, q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         if CAUSAL:
             is_after = tokens[None, :] > row_pos[:, None] - window
             visible = (tokens[None, :] <= row_pos[:, None]) & is_after & token_mask[None, :]
@@ -139,6 +152,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     scale_log2,
+    softcap_log2,
     first_seq,
     sliding_window,
     stride_q_token,
@@ -161,6 +175,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
     seq_id = first_seq + tl.program_id(0)
@@ -208,21 +223,21 @@ def _prefill_kernel(
         # The three phases: head (masked), middle (unmasked), diagonal (masked).
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, kv_head_ptr, scale_head_ptr, block_table_ptr, row_pos, lo,
-            mid_begin, scale_log2, stride_kv_block, stride_kv_kv, stride_kv_slot, stride_s_block,
-            stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE, BLOCK_N, True,
-            DOT_PRECISION, KV_QUANT,
+            mid_begin, scale_log2, softcap_log2, stride_kv_block, stride_kv_kv, stride_kv_slot,
+            stride_s_block, stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE,
+            BLOCK_N, True, DOT_PRECISION, KV_QUANT, SOFTCAP,
         )  # fmt: skip
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, kv_head_ptr, scale_head_ptr, block_table_ptr, row_pos, mid_begin,
-            mid_end, scale_log2, stride_kv_block, stride_kv_kv, stride_kv_slot, stride_s_block,
-            stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE, BLOCK_N, False,
-            DOT_PRECISION, KV_QUANT,
+            mid_end, scale_log2, softcap_log2, stride_kv_block, stride_kv_kv, stride_kv_slot,
+            stride_s_block, stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE,
+            BLOCK_N, False, DOT_PRECISION, KV_QUANT, SOFTCAP,
         )  # fmt: skip
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, kv_head_ptr, scale_head_ptr, block_table_ptr, row_pos, mid_end,
-            last_pos + 1, scale_log2, stride_kv_block, stride_kv_kv, stride_kv_slot,
+            last_pos + 1, scale_log2, softcap_log2, stride_kv_block, stride_kv_kv, stride_kv_slot,
             stride_s_block, stride_s_kv, stride_s_slot, dims, dim_mask, window, BLOCK_SIZE,
-            BLOCK_N, True, DOT_PRECISION, KV_QUANT,
+            BLOCK_N, True, DOT_PRECISION, KV_QUANT, SOFTCAP,
         )  # fmt: skip
 
         l_i = tl.where(l_i > 0, l_i, 1.0)  # a padding row's window may hold no key: not stored
@@ -249,9 +264,11 @@ def paged_prefill(
     kv_scales: torch.Tensor | None = None,  # [num_blocks, 2, block_size, num_kv_heads] float32
     first_seq: int = 0,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves,
-    each token over its last `sliding_window` positions if given, for sequences
+    each token over its last `sliding_window` positions if given, its scores soft-capped at
+    `logit_softcap` if given, for sequences
     `first_seq ..` of the step (the earlier ones are its decodes).
 
     Rows of `query` outside those sequences' ranges are left untouched in `out`. A quantized
@@ -279,7 +296,7 @@ def paged_prefill(
         seq_lens,
         query_start_loc,
         out,
-        scale * LOG2_E,
+        *score_scales(scale, logit_softcap),
         first_seq,
         sliding_window or 0,  # 0: none
         query.stride(0),
@@ -297,6 +314,7 @@ def paged_prefill(
         BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         KV_QUANT=kv_quant,
+        SOFTCAP=logit_softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -56,12 +56,12 @@ class FakeQuantBackend:
         self.name = f"fake-{granularity}-{dtype}"
 
     def forward(self, query, key, value, kv_cache_layer, metadata, scale, kv_scales=None,
-                sliding_window=None):
+                sliding_window=None, logit_softcap=None):
         block_size, slots = metadata.layout.block_size, metadata.slot_mapping
         key = fake_quantize(key, slots, block_size, self.dtype, self.granularity)
         value = fake_quantize(value, slots, block_size, self.dtype, self.granularity)
         return self.inner.forward(query, key, value, kv_cache_layer, metadata, scale, kv_scales,
-                                  sliding_window)
+                                  sliding_window, logit_softcap)
 
 
 def _perplexity(llm, token_ids: list[int]) -> float:

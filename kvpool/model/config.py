@@ -3,13 +3,14 @@ metadata.
 
 One config serves every source: a HuggingFace `config.json` (`kvpool.model.hf_config`), GGUF
 key-values (`kvpool.model.gguf_config`), or a named preset (`preset`, for dummy weights and
-tests: `kvpool.model.presets`). Llama 2/3, Mistral, SmolLM2/3, Qwen2, Qwen3 and Gemma 3 share
-one decoder; they differ only in the fields below: q/k/v biases (Qwen2), per-head RMSNorm of
-queries and keys before RoPE (`qk_norm`: Qwen3, Gemma 3), Gemma's numerics (norms after
+tests: `kvpool.model.presets`). Llama 2/3, Mistral, SmolLM2/3, Qwen2, Qwen3 and Gemma 2 / 3
+share one decoder; they differ only in the fields below: q/k/v biases (Qwen2), per-head RMSNorm
+of queries and keys before RoPE (`qk_norm`: Qwen3, Gemma 3), Gemma's numerics (norms after
 attention and MLP too, RMSNorm scaling by 1 + weight, GELU-tanh, scaled embeddings, its own
-attention scale, soft-capped logits), mixtures of experts (`moe`: Qwen3-MoE, Mixtral), and
-per-layer facts in `layers` (`LayerSpec`: a sliding window, its own RoPE, or no positional
-encoding as in SmolLM3's every fourth layer; a sparse or a dense MLP).
+attention scale, soft-capped logits and, in Gemma 2, soft-capped attention scores), mixtures of
+experts (`moe`: Qwen3-MoE, Mixtral), and per-layer facts in `layers` (`LayerSpec`: a sliding
+window, its own RoPE, or no positional encoding as in SmolLM3's every fourth layer; a sparse or
+a dense MLP).
 
 Invariants (checked in `__post_init__`): every size is positive, `num_heads` is a multiple of
 `num_kv_heads`, `head_dim` is even (rotary embeddings rotate pairs), `rope_scaling` is None or
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 ARCHITECTURES = frozenset({"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                           "gemma3_text", "qwen3_moe", "mixtral", "phi3"})
+                           "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "phi3"})
 ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})  # of the gated MLP: act(gate) * up
 
 # rope_type -> keys it needs. "freq_factors" divides each inverse frequency by a given factor:
@@ -70,6 +71,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # embeddings × this, in the model's dtype (Gemma: √hidden)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap · tanh(logits / cap) (Gemma)
+    attn_logit_softcapping: float | None = None  # scores = cap · tanh(score / cap) (Gemma 2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layers: tuple[LayerSpec, ...] = ()  # one per layer; () = all full attention, the model's RoPE
@@ -93,6 +95,10 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is not None and not cap > 0:
+                raise ValueError(f"{name} must be None or positive, got {cap!r}")
         for token_id in (*self.eos_token_ids, self.bos_token_id):
             if token_id is not None and not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"special token id {token_id} outside vocab 0..{self.vocab_size}")

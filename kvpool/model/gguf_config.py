@@ -5,7 +5,9 @@ as a key is derived the way llama.cpp derives it: tied embeddings from the absen
 `output.weight`; Qwen3's per-head query/key norms from their tensors; SmolLM3's layers without
 RoPE from llama.cpp's fixed interval (every fourth layer: it reads no key for it); Gemma 3's
 five sliding layers to one full, its sliding layers' RoPE base (10000) and its attention scale,
-all fixed in llama.cpp.
+all fixed in llama.cpp. Gemma 2 likewise: every second layer full attention (the first
+sliding), one RoPE base, attention and final soft-capping always on, with llama.cpp's defaults
+(window 4096, caps 50 and 30) where the file has no key.
 
 Phi-3 (`phi3`, llama.cpp's `Phi3MiniModel` converter): the leading `rope.dimension_count`
 dimensions of each head rotate (partial rotary); LongRoPE's factors are the tensors
@@ -46,7 +48,12 @@ from kvpool.model.layer_spec import MIXTRAL_NAMES, QWEN3_MOE_NAMES, LayerSpec, M
 SMOLLM3_NO_ROPE_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for smollm3
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every sixth gemma3 layer is full attention
 GEMMA3_SLIDING_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "qwen3moe", "phi3")
+GEMMA2_SLIDING_PATTERN = 2  # llama.cpp: every second gemma2 layer is full attention
+# llama.cpp's gemma2 values where the file has no key: n_swa, and its hparams' cap defaults.
+GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0}
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3", "qwen3moe",
+                 "phi3")
 PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS = "rope_factors_short.weight", "rope_factors_long.weight"
 # GGUF architecture -> kvpool's (HF model_type); `llama` with experts is `mixtral`.
 _KVPOOL_NAMES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
@@ -70,6 +77,8 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str],
     config = ModelConfig(architecture=name, **_shared_fields(metadata, key, tensor_names))
     if arch == "gemma3":
         return _gemma3(config, key)
+    if arch == "gemma2":
+        return _gemma2(config, key)
     if arch == "phi3":
         return _phi3(config, key, rope_factors or {})
     config = _ARCH_FIELDS.get(arch, lambda config, names: config)(config, tensor_names)
@@ -130,6 +139,24 @@ def _gemma3(config: ModelConfig, key: Callable[..., Any]) -> ModelConfig:
         layers=layers, qk_norm=True, hidden_act="gelu_pytorch_tanh", sandwich_norms=True,
         embedding_multiplier=config.hidden_size**0.5, query_pre_attn_scalar=scalar,
         final_logit_softcapping=key("final_logit_softcapping"))
+
+
+def _gemma2(config: ModelConfig, key: Callable[..., Any]) -> ModelConfig:
+    def value(suffix: str) -> Any:
+        return key(suffix, GEMMA2_DEFAULTS[suffix])
+
+    rope, window = config.rope, value("attention.sliding_window")
+    layers = tuple(LayerSpec(rope) if (i + 1) % GEMMA2_SLIDING_PATTERN == 0
+                   else LayerSpec(rope, window) for i in range(config.num_layers))
+    # llama.cpp scales attention by head_dim ** -0.5, by (hidden / heads) ** -0.5 for the 27B
+    # model (46 layers), as `query_pre_attn_scalar` says in their config.json files.
+    scalar = (config.hidden_size // config.num_heads if config.num_layers == 46
+              else config.head_dim)
+    return config.replace(
+        layers=layers, hidden_act="gelu_pytorch_tanh", sandwich_norms=True,
+        embedding_multiplier=config.hidden_size**0.5, query_pre_attn_scalar=scalar,
+        attn_logit_softcapping=float(value("attn_logit_softcapping")),
+        final_logit_softcapping=float(value("final_logit_softcapping")))
 
 
 def _phi3(config: ModelConfig, key: Callable[..., Any],

@@ -136,15 +136,44 @@ def _smollm3(config: HFConfig) -> dict[str, Any]:
     return fields
 
 
+# What Gemma 2 and 3 implement beyond `_REFUSED`: GELU-tanh, either soft-cap, causal attention.
+_GEMMA_ALLOWED = {"hidden_act": ("gelu_pytorch_tanh",), "hidden_activation": ("gelu_pytorch_tanh",),
+                  "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                  "use_bidirectional_attention": (False,)}
+
+
+def _gemma_numerics(config: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 2 and 3 share: RMSNorm scaling by 1 + weight, before and after attention and
+    the MLP; GELU-tanh; embeddings × √hidden; optional soft-capping of attention scores and of
+    the final logits."""
+    return {"hidden_act": "gelu_pytorch_tanh", "sandwich_norms": True, "norm_offset": 1.0,
+            "embedding_multiplier": fields["hidden_size"] ** 0.5,
+            "final_logit_softcapping": config.get("final_logit_softcapping"),
+            "attn_logit_softcapping": config.get("attn_logit_softcapping")}
+
+
+def _gemma2(config: HFConfig) -> dict[str, Any]:
+    """Gemma 2: Gemma's numerics (`_gemma_numerics`), sliding-window and full layers
+    alternating (the first sliding, unless `layer_types` says otherwise) with one RoPE, no
+    QK-norm, attention scaled by `query_pre_attn_scalar` ** -0.5 (transformers' default 256)."""
+    _check_refused(config, _GEMMA_ALLOWED)
+    fields = _shared_fields(config)
+    rope = RopeSpec(fields["rope_theta"], fields["rope_scaling"], fields["head_dim"])
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(fields["num_layers"])]
+    window = config.get("sliding_window")
+    layers = tuple(LayerSpec(rope, window if kind == "sliding_attention" else None)
+                   for kind in layer_types)
+    return {**fields, **_gemma_numerics(config, fields), "layers": layers,
+            "query_pre_attn_scalar": config.get("query_pre_attn_scalar", 256)}
+
+
 def _gemma3_text(config: HFConfig) -> dict[str, Any]:
     """Gemma 3's text decoder: sliding-window layers and full layers (5 : 1 unless
-    `layer_types` says otherwise), each kind with its own RoPE; QK-norm; RMSNorm scaling by
-    1 + weight, before and after attention and the MLP; GELU-tanh; embeddings × √hidden;
-    attention scaled by `query_pre_attn_scalar` ** -0.5; optional final soft-capping."""
-    gelu = ("gelu_pytorch_tanh",)
-    _check_refused(config, {"hidden_act": gelu, "hidden_activation": gelu,
-                            "final_logit_softcapping": None,
-                            "use_bidirectional_attention": (False,)})
+    `layer_types` says otherwise), each kind with its own RoPE; QK-norm; Gemma's numerics
+    (`_gemma_numerics`); attention scaled by `query_pre_attn_scalar` ** -0.5."""
+    _check_refused(config, _GEMMA_ALLOWED)
     fields = _shared_fields(config)
     num_layers, head_dim = fields["num_layers"], fields["head_dim"]
     pattern = config.get("sliding_window_pattern", 6)
@@ -157,11 +186,9 @@ def _gemma3_text(config: HFConfig) -> dict[str, Any]:
         LayerSpec(ropes[kind], window if kind == "sliding_attention" else None)
         for kind in layer_types)
     full = ropes["full_attention"]
-    return {**fields, "rope_theta": full.theta, "rope_scaling": full.scaling, "qk_norm": True,
-            "hidden_act": "gelu_pytorch_tanh", "sandwich_norms": True, "norm_offset": 1.0,
-            "embedding_multiplier": fields["hidden_size"] ** 0.5,
-            "query_pre_attn_scalar": config.get("query_pre_attn_scalar", head_dim),
-            "final_logit_softcapping": config.get("final_logit_softcapping")}
+    return {**fields, **_gemma_numerics(config, fields), "rope_theta": full.theta,
+            "rope_scaling": full.scaling, "qk_norm": True,
+            "query_pre_attn_scalar": config.get("query_pre_attn_scalar", head_dim)}
 
 
 def _gemma3_ropes(config: HFConfig, head_dim: int) -> dict[str, RopeSpec]:
@@ -229,6 +256,7 @@ _READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
     "phi3": _phi3,
     "qwen3_moe": _qwen3_moe,
     "mixtral": _mixtral,
+    "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,
     "llama": _llama,
     "mistral": _mistral,

@@ -4,7 +4,8 @@ cache.
 Each layer is built from its `LayerSpec` (`ModelConfig.layer_specs`): its rotary embedding (one
 cos/sin table per distinct `RopeSpec`, shared by the layers that use it; none for a NoPE layer),
 and the model-wide options: Qwen3's per-head RMSNorm of queries and keys before RoPE
-(`qk_norm`), Qwen2's q/k/v biases.
+(`qk_norm`), Qwen2's q/k/v biases, Gemma 2's soft-capped attention scores (handed to the
+backend as `logit_softcap`).
 
 Inputs are flat: the new tokens of every sequence in the step, concatenated with no padding, with
 their absolute positions. Attention goes through an `AttentionBackend` given at construction;
@@ -67,6 +68,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.layer_specs[layer_id].sliding_window  # None: full
+        self.logit_softcap = config.attn_logit_softcapping  # None: scores not capped
         qkv_size = self.q_size + 2 * self.kv_size
         self.qkv = Linear(config.hidden_size, qkv_size, config.attention_bias, dtype, device)
         self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype, device)
@@ -89,7 +91,7 @@ class Attention(nn.Module):
         layer_scales = None if kv_scales is None else kv_scales[:, self.layer_id]
         out = self.backend.forward(
             q, k, v, kv_cache[:, self.layer_id], metadata, self.scale, layer_scales,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
         )  # [num_tokens, num_heads, head_dim]
         return self.tp.row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size))
 

@@ -46,13 +46,16 @@ def make_decode_batch(seq_lens, block_size, num_kv_heads, group_size, head_dim, 
     return query, layer, block_tables, torch.tensor(seq_lens, dtype=torch.int32), contexts
 
 
-def dense_decode(query, contexts, scale):
+def dense_decode(query, contexts, scale, logit_softcap=None):
     outputs = []
     for row, (keys, values) in zip(query, contexts, strict=True):
         group_size = row.shape[0] // keys.shape[1]
         keys = keys.repeat_interleave(group_size, dim=1)  # [context, H, D]
         values = values.repeat_interleave(group_size, dim=1)
-        weights = (torch.einsum("hd,khd->hk", row, keys) * scale).softmax(-1)
+        scores = torch.einsum("hd,khd->hk", row, keys) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        weights = scores.softmax(-1)
         outputs.append(torch.einsum("hk,khd->hd", weights, values))
     return torch.stack(outputs)
 
@@ -172,10 +175,10 @@ def test_the_cpu_backend_decodes_a_quantized_cache_with_the_kernel(monkeypatch):
     calls = []
 
     def counting_decode(query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales,
-                        sliding_window):
+                        sliding_window, logit_softcap):
         calls.append(kv_scales is not None)
         return paged_decode(query, kv_cache_layer, block_tables, seq_lens, scale, kv_scales,
-                            sliding_window)
+                            sliding_window, logit_softcap)
 
     monkeypatch.setattr(cpu_backend, "paged_decode", counting_decode)
     block_size, num_kv_heads, head_dim, group_size = 8, 2, 64, 3
@@ -233,6 +236,59 @@ def test_a_quantized_cache_with_a_sliding_window_equals_the_reference(code_dtype
                for i, n in enumerate(lens.tolist())]
     out = paged_decode(query, codes, tables, lens, scale, scales, sliding_window)
     torch.testing.assert_close(out, dense_decode(query, windows, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group_size", "block_size"),
+    [(64, 3, 16), (128, 4, 16), (40, 2, 8)],  # 40: the generic path
+)
+@pytest.mark.parametrize("sliding_window", [None, 7, 100])
+@pytest.mark.parametrize("logit_softcap", [1.0, 4.0])
+def test_paged_decode_soft_caps_the_scores(logit_softcap, sliding_window, head_dim, group_size,
+                                          block_size):
+    seq_lens = [1, block_size + 1, 97, 300]
+    query, layer, tables, lens, contexts = make_decode_batch(
+        seq_lens, block_size, num_kv_heads=2, group_size=group_size, head_dim=head_dim
+    )
+    query = query * 3  # scores with a standard deviation of about 3: most exceed the cap
+    windows = [(keys[-(sliding_window or 1000):], values[-(sliding_window or 1000):])
+               for keys, values in contexts]
+    scale = head_dim**-0.5
+    out = paged_decode(query, layer, tables, lens, scale, sliding_window=sliding_window,
+                       logit_softcap=logit_softcap)
+    expected = dense_decode(query, windows, scale, logit_softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert (expected - dense_decode(query, windows, scale)).abs().max() > 0.05  # it mattered
+
+
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_a_quantized_cache_with_a_window_and_a_soft_cap_equals_the_reference(code_dtype,
+                                                                           head_dim):
+    seq_lens, sliding_window, logit_softcap = [1, 9, 17, 97, 300], 20, 2.0
+    query, codes, scales, tables, lens = make_quantized_batch(seq_lens, 8, 2, 3, head_dim,
+                                                              code_dtype)
+    query = query * 3
+    scale = head_dim**-0.5
+    keys, values = gather_context(codes, tables, kv_scales=scales, dtype=torch.float32)
+    windows = [(keys[i, :, max(0, n - sliding_window):n].transpose(0, 1),
+                values[i, :, max(0, n - sliding_window):n].transpose(0, 1))
+               for i, n in enumerate(lens.tolist())]
+    out = paged_decode(query, codes, tables, lens, scale, scales, sliding_window, logit_softcap)
+    expected = dense_decode(query, windows, scale, logit_softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # The cpu backend and the reference agree through the whole forward, decode and prefill.
+    metadata = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables.tolist(),
+                                       [0] * len(seq_lens), KVLayout(8))
+    reference = TorchAttentionBackend()._decode(query, codes, metadata, scale, scales,
+                                                sliding_window, logit_softcap)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_refuses_a_negative_soft_cap():
+    query, layer, tables, lens, _ = make_decode_batch([5], 4, 2, 1, 64)
+    with pytest.raises(RuntimeError, match="logit_softcap"):
+        paged_decode(query, layer, tables, lens, 1.0, logit_softcap=-1.0)
 
 
 @pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchAttentionBackend])

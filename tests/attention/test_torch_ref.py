@@ -26,9 +26,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 
 
-def dense_attention(query, keys, values, scale, sliding_window=None):
+def dense_attention(query, keys, values, scale, sliding_window=None, logit_softcap=None):
     """Causal attention of the last `len(query)` positions over a full context (GQA by repeat);
-    with `sliding_window` W, position p sees keys k with p - W < k <= p (transformers' mask).
+    with `sliding_window` W, position p sees keys k with p - W < k <= p (transformers' mask);
+    with `logit_softcap` c, each score s is c * tanh(s / c) (transformers' Gemma 2).
 
     query [query_len, H, D], keys/values [seq_len, Hkv, D] -> [query_len, H, D]
     """
@@ -37,6 +38,8 @@ def dense_attention(query, keys, values, scale, sliding_window=None):
     keys = keys.float().repeat_interleave(group_size, dim=1)
     values = values.float().repeat_interleave(group_size, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
     is_visible = visible_keys(torch.arange(seq_len - query_len, seq_len), seq_len, sliding_window)
     scores = scores.masked_fill(~is_visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
@@ -63,7 +66,7 @@ def test_the_window_is_the_one_transformers_applies(sliding_window):
 
 
 def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch",
-             sliding_window=None):
+             sliding_window=None, logit_softcap=None):
     """seq_shapes: (num_cached_tokens, query_len) per sequence, decodes first."""
     generator = torch.Generator().manual_seed(seed)
     num_heads = NUM_KV_HEADS * group_size
@@ -93,7 +96,8 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch",
         new_keys.append(keys[cached:])
         new_values.append(values[cached:])
         slots.extend(seq_slots[cached:])
-        expected.append(dense_attention(query, keys, values, scale, sliding_window))
+        expected.append(dense_attention(query, keys, values, scale, sliding_window,
+                                        logit_softcap))
     metadata = AttentionMetadata.build(
         query_lens=[new for _, new in seq_shapes],
         seq_lens=[cached + new for cached, new in seq_shapes],
@@ -103,7 +107,7 @@ def run_case(seq_shapes, block_size, group_size, dtype, seed=0, backend="torch",
     )
     out = BACKENDS[backend]().forward(
         torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), kv_layer, metadata, scale,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
     return out.float(), torch.cat(expected)
 
@@ -203,6 +207,33 @@ def test_any_windowed_step_equals_dense_attention(backend, step):
     out, expected = run_case(seq_shapes, block_size, group_size, torch.float32, seed=6,
                              backend=backend, sliding_window=sliding_window)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sliding_window", [None, 3, 16])
+@pytest.mark.parametrize("logit_softcap", [1.0, 2.5])
+@pytest.mark.parametrize(("group_size", "dtype"), [(1, torch.float32), (3, torch.float32),
+                                                   (3, torch.bfloat16)])
+def test_soft_capped_scores_equal_dense_capped_attention(logit_softcap, sliding_window,
+                                                         group_size, dtype, backend):
+    # Scores here have a standard deviation of about 1 (HEAD_DIM ** -0.5 scaling of unit
+    # normals): caps of 1 and 2.5 change most rows' weights.
+    out, expected = run_case(WINDOW_BATCH, 8, group_size, dtype, backend=backend,
+                             sliding_window=sliding_window, logit_softcap=logit_softcap)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    uncapped, _ = run_case(WINDOW_BATCH, 8, group_size, dtype, backend=backend,
+                           sliding_window=sliding_window)
+    assert (out - uncapped).abs().max() > 0.05  # the cap mattered
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_soft_cap_must_be_positive(backend):
+    metadata = AttentionMetadata.build([1], [1], [[0]], [0], KVLayout(4))
+    query = torch.zeros(1, 2, HEAD_DIM)
+    key = torch.zeros(1, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        BACKENDS[backend]().forward(query, key, key, torch.zeros(2, 2, 4, NUM_KV_HEADS, HEAD_DIM),
+                                    metadata, 1.0, logit_softcap=0.0)
 
 
 def test_decodes_plan_a_group_per_window_gathering_only_the_window():

@@ -130,21 +130,23 @@ def make_batch(
 
 
 def reference_with_scales(
-    batch: Batch, sliding_window: int | None = None
+    batch: Batch, sliding_window: int | None = None, logit_softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Output, updated cache and updated scales from the torch backend (on copies)."""
     kv_cache_layer = batch.kv_cache_layer.clone()
     kv_scales = None if batch.kv_scales is None else batch.kv_scales.clone()
     out = TorchAttentionBackend().forward(
         batch.query, batch.key, batch.value, kv_cache_layer, batch.metadata, batch.scale, kv_scales,
-        sliding_window,
+        sliding_window, logit_softcap,
     )
     return out, kv_cache_layer, kv_scales
 
 
-def reference(batch: Batch, sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(
+    batch: Batch, sliding_window: int | None = None, logit_softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and updated cache from the torch backend (on a copy of the cache)."""
-    out, kv_cache_layer, _ = reference_with_scales(batch, sliding_window)
+    out, kv_cache_layer, _ = reference_with_scales(batch, sliding_window, logit_softcap)
     return out, kv_cache_layer
 
 
@@ -507,6 +509,51 @@ def test_windowed_attention_over_a_quantized_cache():
     assert_close(actual, expected, torch.float32)
 
 
+# ---------------------------------------------------------------- soft-capped scores
+# The torch reference is checked against dense capped attention (test_torch_ref.py). Queries x3:
+# scores with a standard deviation of about 3, so caps of 1 and 4 change most weights.
+
+
+@pytest.mark.parametrize("logit_softcap", [1.0, 4.0])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_soft_capped_decode_equals_reference(logit_softcap, sliding_window, num_splits):
+    batch = make_batch(WINDOW_DECODE_SEQS, 8, group_size=4, seed=11)
+    batch.query *= 3
+    expected, _ = reference(batch, sliding_window, logit_softcap)
+    uncapped, _ = reference(batch, sliding_window)
+    assert (expected - uncapped).abs().max() > 0.05  # the cap matters here
+    actual = run_decode(batch, num_splits=num_splits, config=triton_decode.DecodeConfig(16),
+                        sliding_window=sliding_window, logit_softcap=logit_softcap)
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("logit_softcap", [1.0, 4.0])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_soft_capped_prefill_equals_reference(logit_softcap, sliding_window):
+    batch = make_batch(WINDOW_PREFILL_SEQS, 8, group_size=4, seed=12)
+    batch.query *= 3
+    expected, _ = reference(batch, sliding_window, logit_softcap)
+    config = triton_prefill.PrefillConfig(block_m=16, block_n=16)
+    actual = run_prefill(batch, config=config, sliding_window=sliding_window,
+                         logit_softcap=logit_softcap)
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_soft_capped_backend_mixed_batch_equals_torch_backend(kv_dtype):
+    seq_shapes = [(0, 1), (12, 1), (63, 1), (0, 10), (9, 6), (32, 17)]
+    batch = make_batch(seq_shapes, 8, group_size=3, head_dim=24, seed=13, kv_dtype=kv_dtype)
+    batch.query *= 3
+    expected, _, _ = reference_with_scales(batch, 5, 2.0)
+    kv_scales = None if batch.kv_scales is None else batch.kv_scales.clone()
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer.clone(), batch.metadata,
+        batch.scale, kv_scales, sliding_window=5, logit_softcap=2.0,
+    )
+    assert_close(actual, expected, torch.float32)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_windowed_attention_never_reads_the_blocks_before_the_window(num_splits, monkeypatch):
     # NaN in every block wholly before the tile (16 tokens) holding a sequence's first window
@@ -702,6 +749,7 @@ def test_kernels_compile_for_sm90_without_spills(
     suffixes = [""] + ["_" + KV_DTYPE_IDS[getattr(torch, name)] for name in kv_dtypes]
     reading = [f"{kernel}{suffix}" for suffix in suffixes for kernel in ("decode", "decode_split")]
     reading += [f"prefill{suffix}" for suffix in suffixes]
+    reading += ["decode_softcap", "decode_split_softcap", "prefill_softcap"]
     writing = [f"write_kv{suffix}" for suffix in suffixes]
     assert set(builds) == {*reading, *writing, "decode_reduce", "copy_blocks"}
     for build in builds.values():
@@ -780,6 +828,24 @@ def test_gpu_windowed_backend_realistic(dtype, sliding_window):
     actual = triton_backend.TritonAttentionBackend().forward(
         batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale,
         sliding_window=sliding_window,
+    )
+    assert_close(actual, expected, dtype)
+    assert torch.equal(batch.kv_cache_layer, expected_cache)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("sliding_window", [None, 4096])
+def test_gpu_soft_capped_backend_realistic(dtype, sliding_window):
+    # Gemma 2's shapes (head_dim 256, GQA 2, window 4096 on every other layer) with a cap of 5
+    # over scores of standard deviation ~3 (Gemma 2 caps at 50: far fewer scores reach it).
+    seq_shapes = [(8191, 1), (5000, 1), (300, 1), (0, 1500), (3000, 700), (40, 9)]
+    batch = make_batch(seq_shapes, 16, 4, 2, 256, dtype, seed=14)
+    batch.query *= 3
+    expected, expected_cache = reference(batch, sliding_window, 5.0)
+    actual = triton_backend.TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache_layer, batch.metadata, batch.scale,
+        sliding_window=sliding_window, logit_softcap=5.0,
     )
     assert_close(actual, expected, dtype)
     assert torch.equal(batch.kv_cache_layer, expected_cache)

@@ -56,7 +56,7 @@ def _signature(kernel: Any, pointer_types: dict[str, str], constexprs: dict[str,
             signature[name] = "constexpr"
         elif name in pointer_types:
             signature[name] = pointer_types[name]
-        elif name == "scale_log2":
+        elif name in ("scale_log2", "softcap_log2"):
             signature[name] = "fp32"
         else:
             signature[name] = "i64" if name in ("stride_kv_block", "stride_block") else "i32"
@@ -128,7 +128,8 @@ def compile_all(
 ) -> list[KernelBuild]:
     """Every kernel at its default configuration, for one model shape and dtype; then, for each
     quantized KV storage dtype in `kv_dtypes` (torch names: int8, float8_e4m3fn, float8_e5m2),
-    the kernels that read or write it (builds named `decode_int8`, `write_kv_e4m3`, ...)."""
+    the kernels that read or write it (builds named `decode_int8`, `write_kv_e4m3`, ...). The
+    float cache's attention kernels are built soft-capped too (`decode_softcap`, ...)."""
     builds = _compile_variants(dtype, head_dim, group_size, block_size, arch, None)
     for kv_dtype in kv_dtypes:
         builds += _compile_variants(dtype, head_dim, group_size, block_size, arch, kv_dtype)
@@ -150,6 +151,7 @@ def _compile_variants(
     shape = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": block_size}
     attention = {**shape, "DOT_PRECISION": "ieee" if dtype == "float32" else "tf32"}
     attention["KV_QUANT"] = kv_quant
+    attention["SOFTCAP"] = False
     decode_consts = {
         **attention,
         "GROUP": group_size,
@@ -193,6 +195,8 @@ def _compile_variants(
         ),
     ]
     if kv_dtype is None:  # the reduction and the block copy never see codes
+        builds += _softcapped_variants({**io, **tables}, decode_consts, attention, group_size,
+                                       launch)
         builds += [
             compile_kernel(
                 "decode_reduce",
@@ -212,3 +216,30 @@ def _compile_variants(
             ),
         ]
     return builds
+
+
+def _softcapped_variants(pointers: dict, decode_consts: dict, attention: dict, group_size: int,
+                         launch: dict) -> list[KernelBuild]:
+    """The attention kernels of a model whose scores are soft-capped (`SOFTCAP`), each built as
+    its uncapped twin is."""
+    element = pointers["query_ptr"].removeprefix("*")
+    prefill = triton_prefill.PrefillConfig()
+    capped = [
+        compile_kernel(
+            "decode_split_softcap" if split else "decode_softcap",
+            triton_decode._decode_kernel,
+            {**pointers, "out_ptr": "*fp32" if split else f"*{element}", "lse_ptr": "*fp32"},
+            {**decode_consts, "IS_SPLIT": split, "SOFTCAP": True},
+            **launch,
+        )
+        for split in (False, True)
+    ]
+    capped.append(compile_kernel(
+        "prefill_softcap",
+        triton_prefill._prefill_kernel,
+        {**pointers, "query_start_loc_ptr": "*i32", "out_ptr": f"*{element}"},
+        {**attention, "GROUP": group_size, "SOFTCAP": True}
+        | {"BLOCK_M": max(prefill.block_m, group_size), "BLOCK_N": prefill.block_n},
+        num_warps=prefill.num_warps, num_stages=prefill.num_stages, arch=launch["arch"],
+    ))
+    return capped

@@ -37,6 +37,11 @@ def tiny_hf_config(kind: str, **overrides):
         return transformers.Gemma3TextConfig(**{
             **SHAPE, "num_hidden_layers": 7, "head_dim": 24, "sliding_window": 8,
             "query_pre_attn_scalar": 20, "final_logit_softcapping": 30.0, **overrides})
+    if kind == "gemma2":  # sliding (window 8) and full layers alternate; scores capped at 2
+        return transformers.Gemma2Config(**{
+            **SHAPE, "num_hidden_layers": 3, "head_dim": 24, "sliding_window": 8,
+            "query_pre_attn_scalar": 20, "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 30.0, **overrides})
     if kind == "mistral":  # every layer windowed (8 tokens, shorter than the prompts)
         return transformers.MistralConfig(**SHAPE, num_hidden_layers=2, sliding_window=8,
                                           **overrides)
@@ -68,15 +73,17 @@ def tiny_hf_config(kind: str, **overrides):
 
 
 GGUF_ARCHITECTURES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3_text": "gemma3",
-                      "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+                      "gemma2": "gemma2", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # The architectures llama.cpp writes with their own name or as llama with experts (Mixtral; it
 # writes Mistral as llama, without its window), and what it fixes rather than reads: Gemma 3's
-# attention scale, head_dim ** -0.5; Qwen3-MoE's every layer sparse (no mlp_only_layers).
+# and Gemma 2's attention scale, head_dim ** -0.5; Qwen3-MoE's every layer sparse (no
+# mlp_only_layers).
 GGUF_OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 24},
+                  "gemma2": {"query_pre_attn_scalar": 24},
                   "qwen3_moe": {"mlp_only_layers": []}}
 
 
-ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "mistral", "ministral", "qwen3_moe",
+ARCHITECTURES = ["qwen3", "smollm3", "gemma3_text", "gemma2", "mistral", "ministral", "qwen3_moe",
                  "mixtral", "phi3"]
 
 
@@ -132,6 +139,12 @@ def test_the_config_keeps_the_architectures_features(checkpoint):
         assert windows == [8, 8, 8, 8, 8, None, 8]
         assert {layer.rope.theta for layer in config.layer_specs} == {10000.0, 1000000.0}
         assert config.sandwich_norms and config.norm_offset == 1.0 and config.qk_norm
+    if kind == "gemma2":
+        windows = [layer.sliding_window for layer in config.layer_specs]
+        assert windows == [8, None, 8] and not config.qk_norm
+        assert {layer.rope.theta for layer in config.layer_specs} == {10000.0}
+        assert config.attn_logit_softcapping == 2.0 and config.final_logit_softcapping == 30.0
+        assert config.sandwich_norms and config.norm_offset == 1.0
 
 
 def test_step_logits_through_the_paged_cache_equal_transformers(checkpoint):
@@ -332,7 +345,21 @@ def test_gguf_experts_under_tensor_parallelism_are_each_experts_slice(tmp_path):
     assert sharded["layers.0.mlp.gate.weight"].shape == (8, 64)  # the router, replicated
 
 
+def test_the_attention_soft_cap_changes_gemma2s_logits(tmp_path):
+    # Not vacuous: the tiny Gemma 2's scores exceed its cap of 2, so the step test above
+    # depends on it (transformers with the cap lifted disagrees).
+    hf_model = save_tiny(tmp_path, "gemma2")
+    token_ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    capped = hf_logits_at(hf_model, token_ids, list(range(20)))
+    hf_model.config.attn_logit_softcapping = None
+    for layer in hf_model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert (capped - hf_logits_at(hf_model, token_ids, list(range(20)))).abs().max() > 1.0
+
+
 @pytest.mark.parametrize(("kind", "field", "value"), [
+    ("qwen3", "attn_logit_softcapping", 50.0),  # transformers' Qwen3 would ignore it
+    ("llama", "attn_logit_softcapping", 30.0),
     ("qwen3", "use_sliding_window", True),
     ("qwen3", "attention_bias", True),
     ("smollm3", "mlp_bias", True),
@@ -348,8 +375,28 @@ def test_a_feature_kvpool_lacks_is_refused_by_name(kind, field, value):
 
 
 def test_an_unknown_architecture_is_refused_by_name():
-    with pytest.raises(UnsupportedFeature, match="unsupported architecture 'gemma2'"):
-        config_from_hf({"model_type": "gemma2"})
+    with pytest.raises(UnsupportedFeature, match="unsupported architecture 'gemma'"):
+        config_from_hf({"model_type": "gemma"})
+
+
+def test_gemma3_may_soft_cap_its_attention_scores():
+    # transformers' Gemma 3 attention caps its scores when the config says so (the released
+    # checkpoints set None): the shared decoder hands the cap to the backend.
+    config = config_from_hf(tiny_hf_config("gemma3_text", attn_logit_softcapping=20.0).to_dict())
+    assert config.attn_logit_softcapping == 20.0
+    assert config_from_hf(tiny_hf_config("gemma3_text").to_dict()).attn_logit_softcapping is None
+
+
+def test_gemma2_gguf_without_keys_takes_llama_cpps_defaults():
+    metadata = {"general.architecture": "gemma2", "gemma2.block_count": 4,
+                "gemma2.embedding_length": 64, "gemma2.feed_forward_length": 128,
+                "gemma2.attention.head_count": 4, "gemma2.attention.key_length": 24,
+                "tokenizer.ggml.tokens": ["a"] * 256}
+    config = config_from_gguf(metadata, ["token_embd.weight"])
+    assert config.architecture == "gemma2" and config.tie_word_embeddings
+    assert [layer.sliding_window for layer in config.layer_specs] == [4096, None, 4096, None]
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.query_pre_attn_scalar == 24 and config.sandwich_norms and not config.qk_norm
 
 
 def test_a_multimodal_gemma3_checkpoint_serves_its_text_decoder(tmp_path):

@@ -113,6 +113,8 @@ def test_smollm2_gguf_config_matches_transformers(smollm2, hf_smollm2):
         ({"rope_scaling": {"rope_type": "freq_factors", "freq_factors": (1.0,)}}, "head_dim / 2"),
         ({"eos_token_ids": (512,)}, "outside vocab"),
         ({"rms_norm_eps": 0.0}, "must be positive"),
+        ({"attn_logit_softcapping": 0.0}, "attn_logit_softcapping must be None or positive"),
+        ({"final_logit_softcapping": -30.0}, "final_logit_softcapping must be None or positive"),
     ],
 )
 def test_validation_rejects_bad_configs(changes, message):

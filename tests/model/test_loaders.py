@@ -237,7 +237,7 @@ def _gguf_name(hf_name: str, arch: str) -> str:
         return _GGUF_TOP[name]
     _, layer, rest = name.split(".", 2)
     part, kind = rest.rsplit(".", 1)
-    parts = _GGUF_SANDWICH_PARTS if arch == "gemma3" else _GGUF_PARTS
+    parts = _GGUF_SANDWICH_PARTS if arch in ("gemma2", "gemma3") else _GGUF_PARTS
     return f"blk.{layer}.{parts[part]}.{kind}"
 
 
@@ -308,10 +308,12 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-    if arch == "gemma3":  # its sliding layers' pattern and RoPE base are llama.cpp's constants
+    if arch in ("gemma2", "gemma3"):  # the sliding layers' pattern is llama.cpp's constant
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
     _add_experts(writer, config)
     if arch == "phi3":
@@ -329,7 +331,7 @@ def write_gguf(path: Path, hf_model, arch: str, qtype: GGMLQuantizationType,
         stored = param.numpy()
         if arch in ("llama", "smollm3") and num_heads is not None:  # llama.cpp's Llama order
             stored = llama_cpp_permute(stored, num_heads)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             stored = stored + 1  # llama.cpp's converter stores Gemma's 1 + weight
         for gguf_name, tensor in _gguf_tensors(hf_name, stored, arch):
             if tensor.ndim >= 2 and not is_router:

@@ -43,10 +43,11 @@ TINY_CONFIGS = {
                               attention_bias=True),
 }
 # Checkpoints written by transformers, for what the configs above cannot say: a mixture of
-# experts beside a dense layer, QK-norm, sliding windows, Gemma's norms, Phi-3's fused qkv_proj
-# and gate_up_proj (split, then sliced) and partial rotary (each keeps the shape
-# of tests/model/test_architectures.py, with a vocabulary the steps' token ids fit).
-HF_KINDS = ("gemma3_text", "qwen3_moe", "phi3")
+# experts beside a dense layer, QK-norm, sliding windows, Gemma's norms, Gemma 2's capped
+# attention scores, Phi-3's fused qkv_proj and gate_up_proj (split, then sliced) and partial
+# rotary (each keeps the shape of tests/model/test_architectures.py, with a vocabulary the
+# steps' token ids fit).
+HF_KINDS = ("gemma2", "gemma3_text", "qwen3_moe", "phi3")
 GGUF_KINDS = {"phi3-gguf": "phi3"}  # llama.cpp's fused attn_qkv and ffn_up: read whole, split
 # Two sequences: step 1 prefills both, step 2 decodes the first and continues the second.
 STEPS = [

@@ -18,12 +18,17 @@
 //   block_tables [num_seqs, max_num_blocks] int32
 //   seq_lens     [num_seqs] int32   (context length, including the token being decoded)
 //   sliding_window  int, 0 for none: attend to the last `sliding_window` positions only
+//   logit_softcap   float, 0 for none: each score s becomes cap * tanh(s / cap) (Gemma 2)
 //   returns      [num_seqs, num_heads, head_dim]         the query's dtype
 //
 // Sliding window (`kvpool/attention/backend.py`): a sequence of context seq_len attends to
 // positions [begin, seq_len) with begin = max(0, seq_len - sliding_window). The walk starts at
 // begin's block and offset, so the blocks before the window are never read, and the scores
 // hold the window only. Without a window begin is 0 and the loops are the same as before.
+//
+// Soft-capping (`kvpool/attention/backend.py`) rewrites a sequence's scores in one pass between
+// the score loop and the softmax, so the loops over the cache are the same with or without it;
+// without it the pass is skipped by one branch per sequence.
 //
 // Whatever the dtypes, the arithmetic is float32: each K/V element is widened as it is loaded
 // (a 16-bit cache is read in place, at half the bytes of a float32 one, an 8-bit one at a
@@ -140,6 +145,18 @@ inline void softmax(float* row, int64_t length) {
   for (int64_t i = 0; i < length; ++i) row[i] *= inverse_total;
 }
 
+// The softmax weights of `num_heads` rows of `length` scores, in place; each score first
+// soft-capped to cap * tanh(s / cap) when `softcap` > 0.
+inline void scores_to_weights(float* scores, int64_t num_heads, int64_t length, float softcap) {
+  if (softcap > 0.0f) {
+    const float inverse_cap = 1.0f / softcap;
+#pragma omp simd
+    for (int64_t i = 0; i < num_heads * length; ++i)
+      scores[i] = softcap * std::tanh(scores[i] * inverse_cap);
+  }
+  for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * length, length);
+}
+
 // One plane (K or V) of the cache: where its rows start and, for a code cache, their scales.
 template <typename T>
 struct Plane {
@@ -206,7 +223,7 @@ template <int64_t kLanes, typename T>
 void attend_sequence_wide(const float* __restrict query, float* __restrict out,
                           const Plane<T>& cache, const int32_t* block_table, Span span,
                           const HeadShape& heads, const CacheLayout& layout,
-                          float* __restrict scores) {
+                          float* __restrict scores, float softcap) {
   constexpr int64_t kHeadDim = kLanes * 16;
   const int64_t length = span.length();
   WideRow<kLanes> row;
@@ -219,7 +236,7 @@ void attend_sequence_wide(const float* __restrict query, float* __restrict out,
                        scores[h * length + position] = dot_wide(query + h * kHeadDim, row) * s;
                    }
                  });
-  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * length, length);
+  scores_to_weights(scores, heads.num_heads, length, softcap);
   std::fill(out, out + heads.num_heads * kHeadDim, 0.0f);
   for_each_token(value_plane(cache, layout), block_table, span, heads, layout,
                  [&](int64_t position, const T* values, const float* scales) {
@@ -237,14 +254,15 @@ void attend_sequence_wide(const float* __restrict query, float* __restrict out,
 // scaled) over its context: each token's K (then V) rows for all KV heads are one contiguous
 // run, so the cache is streamed, never re-read. Query head h = kv_head * group_size + g.
 // `scores` is scratch for [num_heads, span.length()] floats; `out` is [num_heads, head_dim].
+// `softcap` > 0 soft-caps the scores (0: off).
 template <int64_t kHeadDim, typename T>
 void attend_sequence(const float* __restrict query, float* __restrict out, const Plane<T>& cache,
                      const int32_t* block_table, Span span, const HeadShape& heads,
-                     const CacheLayout& layout, float* __restrict scores) {
+                     const CacheLayout& layout, float* __restrict scores, float softcap) {
 #if defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
     attend_sequence_wide<kHeadDim / 16>(query, out, cache, block_table, span, heads, layout,
-                                        scores);
+                                        scores, softcap);
     return;
   }
 #endif
@@ -261,7 +279,7 @@ void attend_sequence(const float* __restrict query, float* __restrict out, const
                            dot<kHeadDim>(query + h * head_dim, key, head_dim) * s;
                    }
                  });
-  for (int64_t h = 0; h < heads.num_heads; ++h) softmax(scores + h * length, length);
+  scores_to_weights(scores, heads.num_heads, length, softcap);
   std::fill(out, out + heads.num_heads * head_dim, 0.0f);
   for_each_token(value_plane(cache, layout), block_table, span, heads, layout,
                  [&](int64_t position, const T* values, const float* scales) {
@@ -306,8 +324,9 @@ bool is_code_dtype(at::ScalarType type) {
 // Checks the inputs, the block ids included (cheap next to the reads: one id per block).
 void check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
                   const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens, int64_t sliding_window) {
+                  const at::Tensor& seq_lens, int64_t sliding_window, double logit_softcap) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(logit_softcap >= 0, "logit_softcap must be >= 0 (0: none), got ", logit_softcap);
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query must be 3-D and kv_cache 5-D");
   const auto is_float = [](const at::Tensor& t) {
     return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
@@ -352,7 +371,8 @@ void check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
 template <typename Q, typename T>
 void run(const at::Tensor& query, const at::Tensor& kv_cache,
          const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
-         const at::Tensor& seq_lens, int64_t sliding_window, float scale, at::Tensor& out) {
+         const at::Tensor& seq_lens, int64_t sliding_window, float scale, float softcap,
+         at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
   const HeadShape heads{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim};
@@ -385,7 +405,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache,
       const Q* seq_query = query_data + seq * row;
       for (int64_t i = 0; i < row; ++i) scaled_query[i] = static_cast<float>(seq_query[i]) * scale;
       attend(scaled_query.data(), acc.data(), cache, tables + seq * max_num_blocks, span, heads,
-             layout, scores.data());
+             layout, scores.data(), softcap);
       Q* seq_out = out_data + seq * row;
       for (int64_t i = 0; i < row; ++i) seq_out[i] = static_cast<Q>(acc[i]);
     }
@@ -396,10 +416,10 @@ template <typename Q>
 void run_for_query(const at::Tensor& query, const at::Tensor& kv_cache,
                    const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, int64_t sliding_window, float scale,
-                   at::Tensor& out) {
+                   float softcap, at::Tensor& out) {
   const auto body = [&](auto tag) {
     run<Q, decltype(tag)>(query, kv_cache, kv_scales, block_tables, seq_lens, sliding_window,
-                          scale, out);
+                          scale, softcap, out);
   };
   switch (kv_cache.scalar_type()) {
     case at::kFloat: return body(float{});
@@ -413,22 +433,26 @@ void run_for_query(const at::Tensor& query, const at::Tensor& kv_cache,
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        const std::optional<at::Tensor>& kv_scales, int64_t sliding_window) {
+                        const std::optional<at::Tensor>& kv_scales, int64_t sliding_window,
+                        double logit_softcap) {
   const at::Tensor query_c = query.contiguous();
   const at::Tensor tables_c = block_tables.contiguous();
   const at::Tensor lens_c = seq_lens.contiguous();
-  check_inputs(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window);
+  check_inputs(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window, logit_softcap);
   at::Tensor out = at::empty_like(query_c);
-  const float scale_f = static_cast<float>(scale);
+  const float scale_f = static_cast<float>(scale), cap = static_cast<float>(logit_softcap);
   switch (query_c.scalar_type()) {
     case at::kFloat:
-      run_for_query<float>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window, scale_f, out);
+      run_for_query<float>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window,
+                                 scale_f, cap, out);
       break;
     case at::kBFloat16:
-      run_for_query<c10::BFloat16>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window, scale_f, out);
+      run_for_query<c10::BFloat16>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window,
+                                 scale_f, cap, out);
       break;
     default:
-      run_for_query<c10::Half>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window, scale_f, out);
+      run_for_query<c10::Half>(query_c, kv_cache, kv_scales, tables_c, lens_c, sliding_window,
+                                 scale_f, cap, out);
   }
   return out;
 }
@@ -438,7 +462,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
 TORCH_LIBRARY(kvpool_cpu, m) {
   m.def(
       "paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, Tensor? kv_scales=None, int sliding_window=0) -> Tensor");
+      "float scale, Tensor? kv_scales=None, int sliding_window=0, float logit_softcap=0.0) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
