@@ -1,5 +1,7 @@
 """A HuggingFace directory of a preset's shapes holding the dummy loader's random weights, so
-that an engine that loads only real checkpoints (vLLM) races kvpool on the same weights.
+that an engine that loads only real checkpoints (vLLM) races kvpool on the same weights. Every
+matrix is drawn in full (no repeated block: `DummyLoader(drawn_elements=None)`), so the logits
+have no exact ties and the two engines' greedy tokens can be compared.
 
     python -m benchmarks.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b [--dtype bfloat16]
 
@@ -24,9 +26,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16") -> Path:
-    """Write preset `name` with the dummy loader's weights (seed 0) in `dtype` as a HuggingFace
-    directory at `directory`; returns it. Written aside and moved, so a partial write never
-    stands in for a whole one."""
+    """Write preset `name` with the dummy loader's weights (seed 0, every matrix drawn in full)
+    in `dtype` as a HuggingFace directory at `directory`; returns it. Written aside and moved,
+    so a partial write never stands in for a whole one."""
     import torch
     from safetensors.torch import save_file
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -41,8 +43,9 @@ def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16")
         raise ValueError(f"{name}'s vocabulary ({config.vocab_size}) is smaller than SmolLM2's")
     partial = directory.with_name(directory.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
+    cpu = torch.device("cpu")
     weights = {_hf_name(key): tensor.to(getattr(torch, dtype)).contiguous() for key, tensor
-               in DummyLoader(config).iter_weights(config, torch.device("cpu"))}
+               in DummyLoader(config, drawn_elements=None).iter_weights(config, cpu)}
     weights = fused_as_transformers_names(weights, transformers_names(fields))
     save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
     (partial / "config.json").write_text(json.dumps(fields, indent=1))

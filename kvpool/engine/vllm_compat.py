@@ -86,8 +86,11 @@ VLLM_ARGS: tuple[VLLMArg, ...] = (
     VLLMArg("async_scheduling", None, "kvpool schedules each step after the previous one, "
             "which changes speed, not outputs", flag=bool),
     VLLMArg("disable_cascade_attn", None, "kvpool has no cascade attention", flag=bool),
-    VLLMArg("disable_sliding_window", None,
-            "kvpool refuses sliding-window models: full attention is all it runs", flag=bool),
+    VLLMArg("disable_sliding_window", (False,),
+            "kvpool runs each layer's sliding window as the model defines it",
+            "disable_sliding_window=True (full attention with the context capped at the "
+            "window) is not supported: kvpool runs the window; max_model_len caps the context",
+            bool),
     VLLMArg("prefix_caching_hash_algo", None, "kvpool's prefix cache keys blocks by SHA-256 and "
             "compares their token ids on a hit; the hash changes no output", flag=str),
     VLLMArg("scheduling_policy", ("fcfs", "priority"), "kvpool's waiting queue orders by "

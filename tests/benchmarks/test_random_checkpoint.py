@@ -15,6 +15,7 @@ from benchmarks.random_checkpoint import (
     write_random_checkpoint,
 )
 from kvpool.model.llama import checkpoint_shapes
+from kvpool.model.loaders.dummy import DRAWN_ELEMENTS, DummyLoader
 from kvpool.model.presets import CONFIG_JSON, preset, preset_config_json
 
 
@@ -52,11 +53,24 @@ def test_a_written_checkpoint_holds_the_dummy_weights_under_their_hf_names(tmp_p
     with safe_open(str(directory / "model.safetensors"), "pt") as file:
         shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}  # noqa: SIM118
         assert file.get_tensor("model.norm.weight").dtype == torch.bfloat16
+        embedding = file.get_tensor("model.embed_tokens.weight")
+    # Drawn in full: the rows one repeated block apart differ (the dummy loader's default
+    # repeats its block there, and a tied head then has exact ties among its logits).
+    period = DRAWN_ELEMENTS // embedding.shape[1]
+    assert not torch.equal(embedding[0], embedding[period])
+    assert torch.equal(*_tiled_rows(preset("qwen3-0.6b"), period))
     assert shapes == transformers_shapes(fields)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     assert max(tokenizer("The pool holds every block.")["input_ids"]) < fields["vocab_size"]
+
+
+def _tiled_rows(config, period: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows 0 and `period` of the embedding the dummy loader makes by default."""
+    name, embedding = next(DummyLoader(config).iter_weights(config, torch.device("cpu")))
+    assert name == "embed_tokens.weight"
+    return embedding[0], embedding[period]
 
 
 def test_a_vocabulary_smaller_than_the_tokenizers_is_refused(tmp_path):

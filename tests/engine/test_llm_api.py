@@ -83,6 +83,7 @@ def test_vllm_names_of_kvpool_options_are_renamed(tiny_dir):
     ({"revision": "v2"}, "pass its snapshot directory as the model"),
     ({"download_dir": "/models"}, "set HF_HUB_CACHE"),
     ({"enable_lora": True}, "kvpool has no LoRA adapters"),
+    ({"disable_sliding_window": True}, "kvpool runs the window; max_model_len caps"),
 ])
 def test_a_vllm_argument_kvpool_cannot_honour_is_refused_before_loading(options, message):
     with pytest.raises(ValueError, match=message):

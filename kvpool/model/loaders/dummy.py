@@ -10,7 +10,9 @@ Drawing is the cost of a large dummy model (billions of normal samples take minu
 so a matrix larger than `DRAWN_ELEMENTS` repeats one block of that many drawn values, drawn
 once per load and stored as bfloat16 (half the bytes to write; exact in a bf16 model): an 8B
 shape then starts in seconds. Smaller matrices (every small preset's) are
-drawn in full, as before.
+drawn in full, as before. A repeated block makes rows of a large vocabulary's embedding equal,
+and so exact ties among the logits of a tied head: a comparison of tokens across engines asks
+for every matrix drawn in full (`drawn_elements=None`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ def _is_norm(name: str) -> bool:
 class DummyLoader:
     """`WeightLoader` that makes weights up."""
 
-    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+    def __init__(self, config: ModelConfig, seed: int = 0,
+                 drawn_elements: int | None = DRAWN_ELEMENTS) -> None:
+        """`drawn_elements`: the largest matrix drawn in full; None draws every one in full
+        (slower, but no two rows of a large matrix repeat, so logits have no exact ties)."""
         self.config = config
         self.seed = seed
+        self.drawn_elements = drawn_elements
 
     def load_config(self) -> ModelConfig:
         return self.config
@@ -55,12 +61,12 @@ class DummyLoader:
             if _is_norm(name):
                 yield name, torch.ones(shape, device=device)
                 continue
-            if math.prod(shape) <= DRAWN_ELEMENTS:  # one pass: the values of randn * std
+            if self.drawn_elements is None or math.prod(shape) <= self.drawn_elements:
                 weight = torch.empty(shape, device=device)
                 yield name, weight.normal_(0.0, _INIT_STD, generator=generator)
                 continue
             if block is None:
-                block = torch.empty(DRAWN_ELEMENTS, device=device)
+                block = torch.empty(self.drawn_elements, device=device)
                 block = block.normal_(0.0, _INIT_STD, generator=generator).to(_TILED_DTYPE)
             yield name, _tiled(torch.empty(shape, dtype=_TILED_DTYPE, device=device), block)
 
