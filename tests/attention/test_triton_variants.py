@@ -62,28 +62,13 @@ def test_serving_after_the_warm_up_compiles_no_new_variant(monkeypatch):
 def test_a_sliding_window_compiles_no_new_variant(monkeypatch):
     # The window is a runtime scalar of both kernels: every layer's window (Gemma 3 alternates
     # sliding and global layers) runs on the variants the first, windowless, call compiled.
-    import torch
 
     from kvpool.attention import triton_backend, triton_decode
-    from kvpool.attention.metadata import AttentionMetadata
-    from kvpool.memory.kv_layout import KVLayout
     from tests.attention.kernel_variants import VariantRecorder
 
     monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)  # 600 tokens: 2 splits
     recorder = VariantRecorder(monkeypatch, kernels())
-    block_size, seq_lens, query_lens = 16, [600, 9, 20, 45], [1, 1, 20, 5]
-    tables, first = [], 1  # block 0 is the null block
-    for seq_len in seq_lens:
-        tables.append(list(range(first, first + -(-seq_len // block_size))))
-        first += len(tables[-1])
-    slots = [table[p // block_size] * block_size + p % block_size
-             for table, seq_len, new in zip(tables, seq_lens, query_lens, strict=True)
-             for p in range(seq_len - new, seq_len)]
-    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, slots, KVLayout(block_size),
-                                       device=DEVICE)
-    cache = torch.randn(first, 2, block_size, 2, 16, device=DEVICE)
-    query = torch.randn(len(slots), 6, 16, device=DEVICE)
-    key, value = torch.randn(2, len(slots), 2, 16, device=DEVICE)
+    query, key, value, cache, metadata = mixed_batch([600, 9, 20, 45], [1, 1, 20, 5])
     backend = triton_backend.TritonAttentionBackend()
     backend.forward(query, key, value, cache, metadata, 0.25)
     warmed = recorder.snapshot()
@@ -99,17 +84,35 @@ def test_a_soft_capped_model_compiles_its_variants_at_its_first_call(monkeypatch
     # Whether scores are capped is a constexpr (a property of the model): the first capped call
     # (the warm-up) compiles the capped variants, and every later capped call, whatever its
     # window and cap, runs on them.
-    import torch
 
     from kvpool.attention import triton_backend, triton_decode
-    from kvpool.attention.metadata import AttentionMetadata
-    from kvpool.memory.kv_layout import KVLayout
     from tests.attention.kernel_variants import VariantRecorder
 
     monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)  # 600 tokens: 2 splits
     recorder = VariantRecorder(monkeypatch, kernels())
-    block_size, seq_lens, query_lens = 16, [600, 9, 20], [1, 1, 20]
-    tables, first = [], 1  # block 0 is the null block
+    query, key, value, cache, metadata = mixed_batch([600, 9, 20], [1, 1, 20])
+    backend = triton_backend.TritonAttentionBackend()
+    backend.forward(query, key, value, cache, metadata, 0.25, logit_softcap=50.0)
+    warmed = recorder.snapshot()
+    recorder.clear()
+    for sliding_window, logit_softcap in ((None, 30.0), (7, 50.0), (4096, 1.0)):
+        backend.forward(query, key, value, cache, metadata, 0.25, sliding_window=sliding_window,
+                        logit_softcap=logit_softcap)
+    for name, keys in recorder.snapshot().items():
+        assert keys <= warmed[name], f"{name} compiled {len(keys - warmed[name])} new variant(s)"
+    assert recorder.keys["_reduce_kernel"], "no capped decode split"
+
+
+def mixed_batch(seq_lens: list[int], query_lens: list[int]) -> tuple:
+    """(query, key, value, cache, metadata) of one step over sequences of `seq_lens` tokens,
+    the last `query_lens` of each new (1: a decode), in 16-token blocks, 6 query heads on 2 KV
+    heads of 16 dimensions."""
+    import torch
+
+    from kvpool.attention.metadata import AttentionMetadata
+    from kvpool.memory.kv_layout import KVLayout
+
+    block_size, tables, first = 16, [], 1  # block 0 is the null block
     for seq_len in seq_lens:
         tables.append(list(range(first, first + -(-seq_len // block_size))))
         first += len(tables[-1])
@@ -121,13 +124,4 @@ def test_a_soft_capped_model_compiles_its_variants_at_its_first_call(monkeypatch
     cache = torch.randn(first, 2, block_size, 2, 16, device=DEVICE)
     query = torch.randn(len(slots), 6, 16, device=DEVICE)
     key, value = torch.randn(2, len(slots), 2, 16, device=DEVICE)
-    backend = triton_backend.TritonAttentionBackend()
-    backend.forward(query, key, value, cache, metadata, 0.25, logit_softcap=50.0)
-    warmed = recorder.snapshot()
-    recorder.clear()
-    for sliding_window, logit_softcap in ((None, 30.0), (7, 50.0), (4096, 1.0)):
-        backend.forward(query, key, value, cache, metadata, 0.25, sliding_window=sliding_window,
-                        logit_softcap=logit_softcap)
-    for name, keys in recorder.snapshot().items():
-        assert keys <= warmed[name], f"{name} compiled {len(keys - warmed[name])} new variant(s)"
-    assert recorder.keys["_reduce_kernel"], "no capped decode split"
+    return query, key, value, cache, metadata
