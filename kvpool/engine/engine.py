@@ -244,9 +244,12 @@ class LLMEngine:
         return outputs
 
     def _start_step(self) -> PhaseClock:
-        """Stamp the pools' clocks and resize KV memory, before anything is scheduled."""
+        """Set the CPU threads, stamp the pools' clocks and resize KV memory, before anything
+        is scheduled."""
         clock = self.step_stats.clock()
-        self._set_pool_clocks(time.monotonic())
+        now = time.monotonic()
+        self.parts.cpu_threads.before_step(now)
+        self._set_pool_clocks(now)
         self.resize_kv_pool()
         return clock
 

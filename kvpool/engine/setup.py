@@ -51,6 +51,7 @@ from kvpool.engine.config import (
     LoadConfig,
     TierConfig,
 )
+from kvpool.engine.cpu_threads import FixedThreads, ThreadPolicy, thread_policy
 from kvpool.engine.decode_graphs import DecodeGraphRunner, decode_plan
 from kvpool.engine.generation_config import default_sampling_params
 from kvpool.engine.model_loading import load_engine_model, resolve_device
@@ -90,6 +91,8 @@ class EngineParts:
     # SamplingParams field -> value for the fields the model's generation config sets
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     workers: WorkerGroup | None = None  # the other ranks, with tensor_parallel_size > 1
+    # The model's CPU thread count, step by step (`kvpool.engine.cpu_threads`)
+    cpu_threads: ThreadPolicy = field(default_factory=FixedThreads)
 
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
@@ -99,8 +102,10 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     if config.parallel.tensor_parallel_size > 1:
         return _build_parallel_parts(config, loaded)
     device = resolve_device(config.load.device)
-    return _assemble_parts(config, loaded or load_engine_model(config), device,
-                           TensorParallel.single())
+    threads = thread_policy(config.load.cpu_threads, device)  # a fixed count: before loading
+    parts = _assemble_parts(config, loaded or load_engine_model(config), device,
+                            TensorParallel.single())
+    return dataclasses.replace(parts, cpu_threads=threads)
 
 
 def _build_parallel_parts(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:

@@ -32,6 +32,9 @@ class LoadConfig:
     vLLM's pattern 1, 2, 4, 8, 16, 24, ... up to `max_cudagraph_capture_size`, itself None:
     min(max_num_seqs, 512)) and replays it for a decode-only step of that many sequences or
     fewer (`kvpool.engine.decode_graphs`); every other step runs eagerly.
+
+    `cpu_threads` fixes the model's CPU thread count; None follows the other processes' load
+    (`kvpool.engine.cpu_threads`).
     """
 
     TITLE: ClassVar[str] = "model loading"
@@ -44,6 +47,9 @@ class LoadConfig:
         "auto", "auto: bfloat16 where the device runs it natively (CUDA sm80+, a CPU with "
         "AVX-512 BF16 or AMX), else float32", choices=DTYPE_CHOICES)
     device: str = option("cpu", "cpu, cuda or auto")
+    cpu_threads: int | None = option(
+        None, "threads for the model's CPU ops (default: the cores other processes leave "
+        "free, looked at twice a second, at most the threads the process started with)")
     seed: int = option(0)
     max_model_len: int | None = option(None)  # None: the model's own limit
     attention_backend: str = option(
@@ -77,7 +83,8 @@ class LoadConfig:
             object.__setattr__(self, "override_generation_config",
                                dict(self.override_generation_config))
         check_at_least_one(max_model_len=self.max_model_len,
-                           max_cudagraph_capture_size=self.max_cudagraph_capture_size)
+                           max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+                           cpu_threads=self.cpu_threads)
         if self.cudagraph_capture_sizes is not None:
             sizes = tuple(sorted(set(self.cudagraph_capture_sizes)))
             if not sizes or sizes[0] < 1:

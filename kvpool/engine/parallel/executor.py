@@ -81,7 +81,7 @@ class WorkerGroup:
                              "tensor-parallel engine per process (close the other first)")
         if device.type == "cuda" and not is_torchrun():  # torchrun: each rank checks its own
             check_gpu_count(size, torch.cuda.device_count())
-        num_threads = split_threads(size)
+        num_threads = split_threads(size, config.load.cpu_threads)
         processes: list[Any] = []
         if is_torchrun():
             rendezvous = torchrun_rendezvous(size, timeout)

@@ -146,9 +146,9 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def split_threads(size: int) -> int:
-    """Give this rank its share of the CPU cores (ranks on one host would otherwise
-    oversubscribe them); returns the thread count it had."""
+def split_threads(size: int, cpu_threads: int | None = None) -> int:
+    """Give this rank `cpu_threads`, else its share of the CPU cores (ranks on one host would
+    otherwise oversubscribe them); returns the thread count it had."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // size))
     return previous

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     """A worker process's whole life (the spawn target, and torchrun's ranks > 0)."""
-    split_threads(rendezvous.size)
+    split_threads(rendezvous.size, config.load.cpu_threads)
     device = rank_device(resolve_device(config.load.device), rendezvous.rank)
     tp, control = join(rendezvous, device, config.parallel.tensor_parallel_overlap_chunks)
     try:
