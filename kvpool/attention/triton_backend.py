@@ -8,7 +8,7 @@
 
 A quantized cache (int8 / fp8, `kv_scales` given) flows through all three: the write quantizes
 the new rows and stores their scales, and both attention kernels dequantize K/V tiles in
-registers (`triton_decode.load_kv_tile`).
+registers (`triton_tiles.load_kv_tile`).
 
 All planning uses the host copies in the metadata (`seq_lens_cpu`, `query_lens_cpu`), so a step
 never waits on the device.

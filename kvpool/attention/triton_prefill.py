@@ -26,11 +26,11 @@ window the first phase is empty and the walk is the two phases above. W is a run
     keys:   0                               lo           mid_begin       mid_end       last+1
             (lo, mid_begin and mid_end are multiples of block_n)
 
-Soft-capped scores (`logit_softcap`): as in decode (`triton_decode.soft_cap`, the constexpr
+Soft-capped scores (`logit_softcap`): as in decode (`triton_tiles.soft_cap`, the constexpr
 `SOFTCAP`), each tile's scores are capped before its mask.
 
 Quantized KV (int8 / fp8 codes with `kv_scales`): every K/V tile is dequantized in registers
-(`triton_decode.load_kv_tile` and `dequantize_tile`, shared with decode), into the query's
+(`triton_tiles.load_kv_tile` and `dequantize_tile`, shared with decode), into the query's
 dtype, before the tile's dots.
 
 Invariants: K/V of every context token, the new ones included, are already in the cache;
@@ -46,14 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.attention.triton_decode import (
+from kvpool.attention.triton_kv import kv_quant_mode, scale_strides
+from kvpool.attention.triton_tiles import (
     dequantize_tile,
     dot_precision,
     load_kv_tile,
     score_scales,
     soft_cap,
 )
-from kvpool.attention.triton_kv import kv_quant_mode, scale_strides
 
 
 @dataclass(frozen=True, slots=True)

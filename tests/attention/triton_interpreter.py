@@ -19,7 +19,8 @@ import torch
 
 import kvpool.attention
 
-KERNEL_MODULES = ("triton_decode", "triton_prefill", "triton_kv", "triton_backend")
+KERNEL_MODULES = ("triton_kv", "triton_tiles", "triton_decode", "triton_prefill",
+                  "triton_backend")
 IS_INTERPRETED = not torch.cuda.is_available()
 DEVICE = "cpu" if IS_INTERPRETED else "cuda"
 
