@@ -44,9 +44,9 @@ def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16")
     partial = directory.with_name(directory.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     cpu = torch.device("cpu")
-    weights = {_hf_name(key): tensor.to(getattr(torch, dtype)).contiguous() for key, tensor
+    weights = {hf_name(key): tensor.to(getattr(torch, dtype)).contiguous() for key, tensor
                in DummyLoader(config, drawn_elements=None).iter_weights(config, cpu)}
-    weights = fused_as_transformers_names(weights, transformers_names(fields))
+    weights = fused_as_transformers_names(weights, set(transformers_shapes(fields)))
     save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
     (partial / "config.json").write_text(json.dumps(fields, indent=1))
     _copy_tokenizer(partial)
@@ -54,15 +54,17 @@ def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16")
     return directory
 
 
-def transformers_names(fields: dict[str, Any]) -> set[str]:
-    """The tensor names transformers' causal LM of `fields` holds, from a model built on the
-    meta device (no memory)."""
+def transformers_shapes(fields: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors a transformers checkpoint of `fields` holds (a tied head
+    left out), from its causal LM built on the meta device (no memory)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.for_model(**fields)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
-    return set(model.state_dict())
+        model = AutoModelForCausalLM.from_config(config)
+    tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
 
 
 def fused_as_transformers_names(weights: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -84,7 +86,7 @@ def fused_as_transformers_names(weights: dict[str, Any], names: set[str]) -> dic
     return joined
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     """The HuggingFace name of a kvpool checkpoint tensor name (the decoder's under `model.`)."""
     return name if name == "lm_head.weight" else f"model.{name}"
 

@@ -10,26 +10,14 @@ import torch
 from safetensors import safe_open
 
 from benchmarks.random_checkpoint import (
-    _hf_name,
     fused_as_transformers_names,
+    hf_name,
+    transformers_shapes,
     write_random_checkpoint,
 )
 from kvpool.model.llama import checkpoint_shapes
 from kvpool.model.loaders.dummy import DRAWN_ELEMENTS, DummyLoader
 from kvpool.model.presets import CONFIG_JSON, preset, preset_config_json
-
-
-def transformers_shapes(fields: dict) -> dict[str, tuple[int, ...]]:
-    """The tensors transformers' causal LM of `fields` loads (tied heads left out), built on
-    the meta device: no memory is used."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(**fields)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
-    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
-
 
 # transformers 5 holds an MoE layer's experts fused in memory (converted from the per-expert
 # checkpoint names on load), so its state dict cannot be compared with a checkpoint's names.
@@ -39,7 +27,7 @@ DENSE_PRESETS = sorted(name for name in CONFIG_JSON if preset(name).moe is None)
 @pytest.mark.parametrize("name", DENSE_PRESETS)
 def test_every_config_json_preset_has_transformers_tensor_names_and_shapes(name):
     expected = transformers_shapes(preset_config_json(name))
-    ours = {_hf_name(key): torch.empty(shape, device="meta")
+    ours = {hf_name(key): torch.empty(shape, device="meta")
             for key, shape in checkpoint_shapes(preset(name)).items()}
     ours = fused_as_transformers_names(ours, set(expected))
     assert {key: tuple(t.shape) for key, t in ours.items()} == expected
