@@ -12,6 +12,8 @@ streams them from memory as the model does (one matrix reused would sit in the c
     int4-gG      torch's `_weight_int4pack_mm_for_cpu`: 4-bit weights packed for its kernel,
                  a scale and an offset per G input columns (GGUF's Q4_1 is G = 32), bf16
                  activations
+    q4-gG, q8-gG kvpool's `quant_matmul`: 4- or 8-bit codes, a float16 scale and min per G
+                 input columns, activations quantized to int8 per group (AVX-512 VNNI)
 
 Printed per format and batch size: milliseconds per step (median of `--repeats` steps), the
 weight bytes a step reads and so the bandwidth a batch-1 step reaches, and two errors: the
@@ -30,6 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvpool.kernels.group_quant import quantize
+from kvpool.kernels.quant_matmul import pack, quant_matmul
 from kvpool.model.config import ModelConfig
 from kvpool.model.linear import Linear
 from kvpool.model.presets import preset
@@ -85,6 +89,14 @@ def int4_groups(weight: torch.Tensor, group: int, inner_k_tiles: int = 2
             dequantized)
 
 
+def kvpool_groups(weight: torch.Tensor, bits: int, group: int) -> tuple[MatMul, torch.Tensor]:
+    """kvpool's own format and kernel; bf16 activations, as the model gives them."""
+    quantized = quantize(weight, bits, group)
+    packed_weight = pack(quantized)
+    return (lambda x: quant_matmul(x.to(torch.bfloat16), packed_weight),
+            quantized.dequantize())
+
+
 def formats(groups: Sequence[int]) -> dict[str, Callable[[torch.Tensor], tuple[MatMul,
                                                                                torch.Tensor]]]:
     """Format name -> (weight -> (matmul, the weight it computes with))."""
@@ -93,6 +105,9 @@ def formats(groups: Sequence[int]) -> dict[str, Callable[[torch.Tensor], tuple[M
             "int8": int8_rows}
     for group in groups:
         made[f"int4-g{group}"] = lambda w, g=group: int4_groups(w, g)
+    for bits in (4, 8):
+        for group in groups:
+            made[f"q{bits}-g{group}"] = lambda w, b=bits, g=group: kvpool_groups(w, b, g)
     return made
 
 
@@ -105,7 +120,8 @@ def weight_bytes(name: str, rows: int, columns: int) -> float:
     if name == "int8":
         return rows * columns + 2 * rows
     group = int(name.split("-g")[1])
-    return rows * columns / 2 + 4 * rows * columns / group
+    bits = 8 if name.startswith("q8") else 4
+    return rows * columns * bits / 8 + 4 * rows * columns / group
 
 
 def time_step(matmuls: list[tuple[MatMul, int]], inputs: dict[int, torch.Tensor],
@@ -128,12 +144,14 @@ def error(matmul: MatMul, weight: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def run(config: ModelConfig, batches: Sequence[int], groups: Sequence[int], repeats: int,
-        seed: int = 0) -> dict:
+        seed: int = 0, only: Sequence[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(seed)
     shapes = step_shapes(config)
     weights = [torch.randn(out, into, generator=generator) * 0.02 for into, out in shapes]
     report = {"shapes": len(shapes), "formats": {}}
     for name, make in formats(groups).items():
+        if only and name not in only:
+            continue
         built = [make(weight) for weight in weights]
         matmuls = [(matmul, weight.shape[1]) for (matmul, _), weight in zip(built, weights,
                                                                              strict=True)]
@@ -169,11 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--layers", type=int, default=None,
                         help="keep only this many layers of the preset (quick runs)")
+    parser.add_argument("--formats", nargs="+", default=None, help="only these formats")
     args = parser.parse_args(argv)
     config = preset(args.preset)
     if args.layers is not None:
         config = config.replace(num_layers=args.layers, layers=config.layers[:args.layers])
-    print(json.dumps(run(config, args.batches, args.groups, args.repeats)))
+    print(json.dumps(run(config, args.batches, args.groups, args.repeats, only=args.formats)))
     return 0
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 CSRC_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.cpp", "fused_ops.cpp")
+SOURCES = ("paged_decode.cpp", "fused_ops.cpp", "quant_matmul.cpp")
 HEADERS = ("kv_load.h",)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 # Linking with -fopenmp records libgomp.so.1, the soname of the libgomp torch ships and has

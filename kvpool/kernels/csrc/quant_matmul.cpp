@@ -1,0 +1,308 @@
+// y = x Wᵀ over group-quantized weights, multiplied as they are stored: 4- or 8-bit unsigned
+// codes with a float16 (scale, min) per group of `group` weights along each row
+// (`kvpool.kernels.group_quant`), never expanded to a float copy of W.
+//
+//   quant_matmul(x [M, K] float32|bfloat16, data uint8, scales [P, K/G, 16] f16,
+//                mins [P, K/G, 16] f16, bits, group, out_features N) -> [M, N] (x's dtype)
+//
+// The activations are quantized on entry, per token and per weight group (the group of x
+// matches W's, so one x scale holds across each integer dot product):
+//   xs[g] = max|x[g]| / 127,  xq = round(x / xs) int8,  xsum[g] = Σ x[g] (exact, float)
+//   y[n] = Σ_g  scale[n,g] · xs[g] · Σ_{k∈g} code[n,k] · xq[k]  +  min[n,g] · xsum[g]
+// so the inner loop is integer multiply-adds of unsigned codes by signed activations: AVX-512
+// VNNI's vpdpbusd, 64 of them an instruction. The integer sum of a group is exact; the float
+// sum over groups runs in a fixed order, so results do not depend on the thread count.
+//
+// Layout (`kvpool.kernels.quant_matmul.pack` writes it): rows in panels of 16 (N padded with
+// zero rows), and within a panel, k in quads, each quad's 16 rows × 4 codes contiguous:
+//   8-bit: data[p][k/4][n%16][k%4]                     K·16 bytes a panel
+//   4-bit: data[p][k/8][j], j = (n%16)·4 + k%4: the low nibble holds k/8·8 + k%4, the high
+//          nibble k/8·8 + 4 + k%4                        K·8 bytes a panel
+//   scales, mins: [p][g][n%16]
+// One 512-bit load is then the 16 rows × 4 k that vpdpbusd multiplies by 4 broadcast bytes of
+// x: lanes are output rows, so no horizontal sum is ever needed. A tile of up to 4 tokens × 32
+// rows shares each unpacked weight vector, so at batch 1 the kernel streams W once and at larger
+// batches it reuses W from cache.
+//
+// Work is split over 32-row tiles with at::parallel_for (torch's OpenMP pool). Without VNNI the
+// same arithmetic runs as scalar C++.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVPOOL_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;        // rows a panel
+constexpr int64_t kPanelsPerTile = 2;  // 32 rows a tile
+constexpr int64_t kTokensPerTile = 4;
+
+// The activations, quantized per token and group.
+struct QuantizedActivations {
+  at::Tensor codes;  // int8 [M, K]
+  at::Tensor scales;  // float32 [M, K/G]
+  at::Tensor sums;   // float32 [M, K/G]
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t cols, int64_t group, int8_t* codes, float* scales,
+                  float* sums) {
+  for (int64_t start = 0, g = 0; start < cols; start += group, ++g) {
+    float amax = 0.0f, sum = 0.0f;
+    for (int64_t k = start; k < start + group; ++k) {
+      const float value = static_cast<float>(x[k]);
+      amax = std::max(amax, std::fabs(value));
+      sum += value;
+    }
+    const float scale = amax / 127.0f;
+    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int64_t k = start; k < start + group; ++k)
+      codes[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[k]) * inverse));
+    scales[g] = scale;
+    sums[g] = sum;
+  }
+}
+
+template <typename T>
+QuantizedActivations quantize_activations(const at::Tensor& x, int64_t group) {
+  const int64_t rows = x.size(0), cols = x.size(1), groups = cols / group;
+  QuantizedActivations q{at::empty({rows, cols}, x.options().dtype(at::kChar)),
+                         at::empty({rows, groups}, x.options().dtype(at::kFloat)),
+                         at::empty({rows, groups}, x.options().dtype(at::kFloat))};
+  const T* data = x.data_ptr<T>();
+  const int64_t stride = x.stride(0);
+  int8_t* codes = q.codes.data_ptr<int8_t>();
+  float* scales = q.scales.data_ptr<float>();
+  float* sums = q.sums.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / cols), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(data + m * stride, cols, group, codes + m * cols, scales + m * groups,
+                   sums + m * groups);
+  });
+  return q;
+}
+
+// Where a tile reads and writes: the weights of its panels and its tokens' activations.
+struct Operands {
+  const uint8_t* data;
+  const at::Half* scales;
+  const at::Half* mins;
+  const int8_t* x_codes;
+  const float* x_scales;
+  const float* x_sums;
+  int64_t cols, group, rows;  // K, G, N (unpadded)
+};
+
+template <typename Out>
+void store_row(Out* out, const float* values, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<Out>(values[i]);
+}
+
+#ifdef KVPOOL_VNNI
+
+// The 16 rows × 8 k of codes at k (a multiple of 8) in one panel, as two vectors of 16 rows ×
+// 4 k: quad k/4 and quad k/4 + 1.
+template <int Bits>
+inline void load_codes(const uint8_t* panel, int64_t k, __m512i& first, __m512i& second) {
+  if constexpr (Bits == 4) {
+    const __m512i packed = _mm512_loadu_si512(panel + k * 8);
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    first = _mm512_and_si512(packed, low_nibbles);
+    second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+  } else {
+    first = _mm512_loadu_si512(panel + k * 16);
+    second = _mm512_loadu_si512(panel + k * 16 + 64);
+  }
+}
+
+inline int32_t four_codes(const int8_t* x) {
+  int32_t value;
+  std::memcpy(&value, x, sizeof(value));
+  return value;
+}
+
+// One tile: T tokens (from `token`) × R panels (from `panel`), written to out rows.
+template <int Bits, int T, int R, typename Out>
+void tile(const Operands& op, int64_t panel, int64_t token, Out* out, int64_t out_stride) {
+  const int64_t groups = op.cols / op.group;
+  const int64_t panel_bytes = op.cols * Bits * kPanel / 8;
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) dot[t][r] = _mm512_setzero_si512();
+    for (int64_t k = g * op.group; k < (g + 1) * op.group; k += 8) {
+      __m512i first[R], second[R];
+      for (int r = 0; r < R; ++r)
+        load_codes<Bits>(op.data + (panel + r) * panel_bytes, k, first[r], second[r]);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* x = op.x_codes + (token + t) * op.cols + k;
+        const __m512i x_first = _mm512_set1_epi32(four_codes(x));
+        const __m512i x_second = _mm512_set1_epi32(four_codes(x + 4));
+        for (int r = 0; r < R; ++r) {
+          dot[t][r] = _mm512_dpbusd_epi32(dot[t][r], first[r], x_first);
+          dot[t][r] = _mm512_dpbusd_epi32(dot[t][r], second[r], x_second);
+        }
+      }
+    }
+    __m512 scale[R], min[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = ((panel + r) * groups + g) * kPanel;
+      scale[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.scales + at)));
+      min[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.mins + at)));
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m512 x_scale = _mm512_set1_ps(op.x_scales[(token + t) * groups + g]);
+      const __m512 x_sum = _mm512_set1_ps(op.x_sums[(token + t) * groups + g]);
+      for (int r = 0; r < R; ++r) {
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][r]),
+                                    _mm512_mul_ps(scale[r], x_scale), acc[t][r]);
+        acc[t][r] = _mm512_fmadd_ps(min[r], x_sum, acc[t][r]);
+      }
+    }
+  }
+  alignas(64) float values[kPanel];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = (panel + r) * kPanel;
+      _mm512_store_ps(values, acc[t][r]);
+      store_row(out + (token + t) * out_stride + row, values,
+                std::min<int64_t>(kPanel, op.rows - row));
+    }
+}
+
+template <int Bits, int R, typename Out>
+void tokens(const Operands& op, int64_t panel, int64_t num_tokens, Out* out, int64_t stride) {
+  int64_t token = 0;
+  for (; token + kTokensPerTile <= num_tokens; token += kTokensPerTile)
+    tile<Bits, kTokensPerTile, R>(op, panel, token, out, stride);
+  switch (num_tokens - token) {
+    case 3: tile<Bits, 3, R>(op, panel, token, out, stride); break;
+    case 2: tile<Bits, 2, R>(op, panel, token, out, stride); break;
+    case 1: tile<Bits, 1, R>(op, panel, token, out, stride); break;
+    default: break;
+  }
+}
+
+template <int Bits, typename Out>
+void panels(const Operands& op, int64_t begin, int64_t end, int64_t num_tokens, Out* out,
+            int64_t stride) {
+  int64_t panel = begin;
+  for (; panel + kPanelsPerTile <= end; panel += kPanelsPerTile)
+    tokens<Bits, kPanelsPerTile>(op, panel, num_tokens, out, stride);
+  if (panel < end) tokens<Bits, 1>(op, panel, num_tokens, out, stride);
+}
+
+#else  // the same arithmetic, scalar
+
+template <int Bits>
+inline int code_at(const uint8_t* panel, int64_t lane, int64_t k) {
+  if constexpr (Bits == 4) {
+    const uint8_t byte = panel[(k / 8) * 64 + lane * 4 + k % 4];
+    return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+  } else {
+    return panel[(k / 4) * 64 + lane * 4 + k % 4];
+  }
+}
+
+template <int Bits, typename Out>
+void panels(const Operands& op, int64_t begin, int64_t end, int64_t num_tokens, Out* out,
+            int64_t stride) {
+  const int64_t groups = op.cols / op.group;
+  const int64_t panel_bytes = op.cols * Bits * kPanel / 8;
+  float values[kPanel];
+  for (int64_t panel = begin; panel < end; ++panel)
+    for (int64_t m = 0; m < num_tokens; ++m) {
+      const int8_t* x = op.x_codes + m * op.cols;
+      for (int64_t lane = 0; lane < kPanel; ++lane) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t dot = 0;
+          for (int64_t k = g * op.group; k < (g + 1) * op.group; ++k)
+            dot += code_at<Bits>(op.data + panel * panel_bytes, lane, k) * x[k];
+          const int64_t at = (panel * groups + g) * kPanel + lane;
+          acc += static_cast<float>(dot) * (static_cast<float>(op.scales[at]) *
+                                            op.x_scales[m * groups + g]);
+          acc += static_cast<float>(op.mins[at]) * op.x_sums[m * groups + g];
+        }
+        values[lane] = acc;
+      }
+      const int64_t row = panel * kPanel;
+      store_row(out + m * stride + row, values, std::min<int64_t>(kPanel, op.rows - row));
+    }
+}
+
+#endif
+
+template <typename T>
+at::Tensor matmul_typed(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                        const at::Tensor& mins, int64_t bits, int64_t group, int64_t rows) {
+  const QuantizedActivations q = quantize_activations<T>(x, group);
+  const int64_t num_tokens = x.size(0);
+  at::Tensor out = at::empty({num_tokens, rows}, x.options());
+  const Operands op{data.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                    mins.data_ptr<at::Half>(), q.codes.data_ptr<int8_t>(),
+                    q.scales.data_ptr<float>(), q.sums.data_ptr<float>(),
+                    x.size(1), group, rows};
+  T* out_data = out.data_ptr<T>();
+  const int64_t num_panels = scales.size(0);
+  const int64_t num_tiles = (num_panels + kPanelsPerTile - 1) / kPanelsPerTile;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    const int64_t first = begin * kPanelsPerTile;
+    const int64_t last = std::min(num_panels, end * kPanelsPerTile);
+    if (bits == 4)
+      panels<4>(op, first, last, num_tokens, out_data, rows);
+    else
+      panels<8>(op, first, last, num_tokens, out_data, rows);
+  });
+  return out;
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                        const at::Tensor& mins, int64_t bits, int64_t group,
+                        int64_t out_features) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dimension");
+  const int64_t cols = x.size(1);
+  TORCH_CHECK(group % 8 == 0 && cols % group == 0, "the group must be a multiple of 8 dividing K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
+                  scales.is_contiguous() && mins.is_contiguous(),
+              "scales and mins must be contiguous float16");
+  const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == num_panels && scales.size(1) == cols / group &&
+                  scales.size(2) == kPanel && mins.sizes() == scales.sizes(),
+              "scales and mins must be [panels, K / group, 16]");
+  TORCH_CHECK(data.numel() == num_panels * kPanel * cols * bits / 8, "data has the wrong size");
+  switch (x.scalar_type()) {
+    case at::kFloat: return matmul_typed<float>(x, data, scales, mins, bits, group, out_features);
+    case at::kBFloat16:
+      return matmul_typed<at::BFloat16>(x, data, scales, mins, bits, group, out_features);
+    default: TORCH_CHECK(false, "quant_matmul takes float32 or bfloat16 activations");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvpool_cpu, m) {
+  m.def("quant_matmul(Tensor x, Tensor data, Tensor scales, Tensor mins, int bits, int group, "
+        "int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) { m.impl("quant_matmul", &quant_matmul); }

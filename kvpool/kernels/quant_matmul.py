@@ -1,0 +1,134 @@
+"""Matmuls over group-quantized weights as they are stored: `PackedWeight` (a `GroupQuantized`
+laid out for the kernel) and `quant_matmul` (the C++ kernel `csrc/quant_matmul.cpp` on the CPU;
+`quant_matmul_reference`, the same arithmetic in PyTorch, elsewhere and as its test oracle).
+
+The kernel quantizes the activations per token and weight group to int8 (scale = max|x| / 127,
+as llama.cpp does for its 4- and 8-bit types) and multiplies integer codes; the min term uses
+the exact float sum of each group of x. `csrc/quant_matmul.cpp` documents the layout: rows in
+panels of 16, each quad of k holding the panel's 16 rows × 4 codes together, so one vector
+load feeds an AVX-512 VNNI multiply-add whose lanes are output rows.
+
+Measured here (SmolLM2-135M's 121 matmuls a step, `python -m benchmarks.weight_matmuls`):
+docs/cpu_decode.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpool.kernels.cpu_kernels import cpu_kernels_available
+from kvpool.kernels.group_quant import GroupQuantized
+
+PANEL = 16  # output rows a panel
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A `GroupQuantized` `[rows, cols]` in the kernel's layout (rows padded to panels of 16).
+
+    data: uint8, `cols * 16 * bits / 8` bytes a panel; scales, mins: float16
+    `[panels, cols / group, 16]`."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bits: int
+    group: int
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+
+def pack(weight: GroupQuantized) -> PackedWeight:
+    """Lay `weight` out for the kernel. Its group must be a multiple of 8."""
+    rows, cols = weight.shape
+    if weight.group % 8:
+        raise ValueError(f"the kernel takes groups that are multiples of 8, not {weight.group}")
+    padding = -rows % PANEL
+    codes, scales, mins = (F.pad(t, (0, 0, 0, padding)) for t in
+                           (weight.codes, weight.scales, weight.mins))
+    panels = codes.shape[0] // PANEL
+    # [panel, 16 rows, k/4, 4] -> [panel, k/4, 16 rows, 4]: a quad's 16 rows × 4 codes together.
+    quads = codes.reshape(panels, PANEL, cols // 4, 4).transpose(1, 2)
+    if weight.bits == 4:  # quads 2i and 2i + 1 share bytes: low nibble, high nibble
+        pairs = quads.reshape(panels, cols // 8, 2, PANEL * 4)
+        quads = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    return PackedWeight(quads.contiguous().reshape(-1), *(_panel_major(t, panels) for t in
+                        (scales, mins)), weight.bits, weight.group, rows, cols)
+
+
+def _panel_major(per_row: torch.Tensor, panels: int) -> torch.Tensor:
+    """[rows, groups] -> [panels, groups, 16]."""
+    return per_row.reshape(panels, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def unpack(weight: PackedWeight, rows: torch.Tensor | None = None) -> GroupQuantized:
+    """The `GroupQuantized` of `weight`, or of only the given `rows` (an embedding lookup)."""
+    rows = torch.arange(weight.rows) if rows is None else rows
+    panel, lane = rows // PANEL, rows % PANEL
+    panels = weight.scales.shape[0]
+    if weight.bits == 4:
+        data = weight.data.reshape(panels, weight.cols // 8, PANEL, 4)[panel, :, lane]
+        codes = torch.stack([data & 0x0F, data >> 4], dim=2)  # [n, k/8, 2 quads, 4]
+    else:
+        codes = weight.data.reshape(panels, weight.cols // 4, PANEL, 4)[panel, :, lane]
+    scales, mins = (t[panel, :, lane] for t in (weight.scales, weight.mins))
+    return GroupQuantized(codes.reshape(len(rows), weight.cols), scales, mins, weight.bits)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """The kernel's activation quantization: per token and group, scale = max|x| / 127, codes
+    round(x / scale) (ties to even), and the exact sum of the group. # codes [M, K] float32
+    (integers), scales [M, K/G], sums [M, K/G]"""
+    grouped = x.float().reshape(x.shape[0], -1, group)
+    scales = grouped.abs().amax(-1) / 127
+    inverse = torch.where(scales > 0, 1 / scales, 0).unsqueeze(-1)
+    codes = torch.round(grouped * inverse)
+    return codes.reshape(x.shape), scales, grouped.sum(-1)
+
+
+def quant_matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """What the kernel computes, in PyTorch (float64 sums; the kernel's float32 ones differ in
+    rounding only). # [M, K] -> [M, rows], x's dtype"""
+    plain = unpack(weight)
+    x_codes, x_scales, x_sums = (t.double() for t in quantize_activations(x, weight.group))
+    groups = weight.cols // weight.group
+    w_codes = plain.codes.double().reshape(weight.rows, groups, weight.group)
+    dots = torch.einsum("mgk,ngk->mng", x_codes.reshape(x.shape[0], groups, -1), w_codes)
+    scaled = dots * plain.scales.double() * x_scales.unsqueeze(1)
+    shifted = plain.mins.double() * x_sums.unsqueeze(1)
+    return (scaled + shifted).sum(-1).to(x.dtype)
+
+
+@functools.cache
+def _kernels_loaded() -> bool:
+    return cpu_kernels_available()
+
+
+def is_served(x: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes activations `x` (CPU, float32 or bfloat16, kernels built)."""
+    return x.device.type == "cpu" and x.dtype in _ACTIVATION_DTYPES and _kernels_loaded()
+
+
+def quant_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """x Wᵀ for `x` `[M, cols]` (any leading dimensions flattened). # [..., rows]"""
+    flat = x.reshape(-1, weight.cols)
+    if is_served(flat):
+        out = torch.ops.kvpool_cpu.quant_matmul(flat.contiguous(), weight.data, weight.scales,
+                                                weight.mins, weight.bits, weight.group,
+                                                weight.rows)
+    else:
+        out = quant_matmul_reference(flat, weight)
+    return out.reshape(*x.shape[:-1], weight.rows)
