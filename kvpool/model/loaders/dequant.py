@@ -5,6 +5,7 @@ their scale (and minimum) as float16. Every kernel here turns a `[num_blocks, bl
 tensor into `[num_blocks, block_numel]` float32 with no Python loop over blocks, computing in the
 same order as ggml's reference so that results are bit-identical to `gguf.quants.dequantize`
 (the test oracle). Types without a kernel here fall back to that numpy reference on the CPU.
+The fields of each block are read by `ggml_fields`, shared with `gguf_blocks`.
 
 Block layouts (bytes, in order):
     Q4_0  d:f16 | qs[16]                     w = (nibble - 8) * d
@@ -24,28 +25,21 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_reference_dequantize
 
+from kvpool.model.loaders.ggml_fields import (
+    as_blocks,
+    f16,
+    five_bit_quants,
+    k_scales_mins,
+    q4_k_quants,
+    q5_k_quants,
+    q6_k_quants,
+    q6_k_scales,
+)
+
 Kernel = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The float16 at byte `start` of each block, as float32. # [num_blocks, 1]"""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(packed: torch.Tensor, width: int) -> torch.Tensor:
-    """Split each run of `width` bytes into its `width` low nibbles followed by its `width` high
-    nibbles. # [num_blocks, num_bytes] uint8 -> [num_blocks, 2 * num_bytes] uint8"""
-    runs = packed.reshape(packed.shape[0], -1, width)
-    return torch.cat([runs & 0x0F, runs >> 4], dim=-1).reshape(packed.shape[0], -1)
-
-
-def _bits(packed: torch.Tensor) -> torch.Tensor:
-    """Little-endian bits: bit j of the byte string is element j. # [n, b] -> [n, 8 * b]"""
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(packed.shape[0], -1)
 
 
 # (device, offset) -> [2, 256] float32: byte b's low and high nibble, minus offset.
@@ -68,7 +62,7 @@ def _scaled_nibbles(blocks: torch.Tensor, qs_start: int, offset: int) -> torch.T
     out = torch.empty(blocks.shape[0], 2, 16, device=blocks.device)
     # mul then add (not addcmul): a fused multiply-add would round differently from ggml.
     values = _nibble_values(blocks[:, qs_start:], offset)
-    return torch.mul(values, _f16(blocks, 0)[:, :, None], out=out)
+    return torch.mul(values, f16(blocks, 0)[:, :, None], out=out)
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -77,64 +71,43 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     scaled = _scaled_nibbles(blocks, 4, 0)
-    return scaled.add_(_f16(blocks, 2)[:, :, None]).reshape(blocks.shape[0], 32)
+    return scaled.add_(f16(blocks, 2)[:, :, None]).reshape(blocks.shape[0], 32)
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 6:], 16) | (_bits(blocks[:, 2:6]) << 4)
-    return _f16(blocks, 0) * (q.to(torch.int8) - 16).float()
+    q = five_bit_quants(blocks, 2)
+    return f16(blocks, 0) * (q.to(torch.int8) - 16).float()
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 8:], 16) | (_bits(blocks[:, 4:8]) << 4)
-    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+    q = five_bit_quants(blocks, 4)
+    return f16(blocks, 0) * q.float() + f16(blocks, 2)
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)
-
-
-def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eight 6-bit scales and mins of a Q4_K/Q5_K block from its 12 packed bytes.
-
-    Bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; bytes 8-11 hold the low 4 bits of
-    scale/min 4-7, whose top 2 bits sit in the spare top bits of bytes 0-3 / 4-7.
-    """
-    low_scales, low_mins, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scales = torch.cat([low_scales & 0x3F, (high & 0x0F) | ((low_scales >> 6) << 4)], dim=-1)
-    mins = torch.cat([low_mins & 0x3F, (high >> 4) | ((low_mins >> 6) << 4)], dim=-1)
-    return scales.float(), mins.float()  # [num_blocks, 8] each
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * f16(blocks, 0)
 
 
 def _k_quant(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Apply Q4_K/Q5_K sub-block scales and mins to `q` # [num_blocks, 256]."""
-    scales, mins = _k_scales_mins(blocks[:, 4:16])
-    scale = (_f16(blocks, 0) * scales).unsqueeze(-1)  # [num_blocks, 8, 1]
-    offset = (_f16(blocks, 2) * mins).unsqueeze(-1)
+    scales, mins = k_scales_mins(blocks[:, 4:16])
+    scale = (f16(blocks, 0) * scales.float()).unsqueeze(-1)  # [num_blocks, 8, 1]
+    offset = (f16(blocks, 2) * mins.float()).unsqueeze(-1)
     return (scale * q.float().reshape(q.shape[0], 8, 32) - offset).reshape(q.shape[0], 256)
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    return _k_quant(blocks, _nibbles(blocks[:, 16:], 32))
+    return _k_quant(blocks, q4_k_quants(blocks))
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    # Bit 2c of qh[l] tops weight l of 64-chunk c; bit 2c+1 tops weight 32 + l.
-    shifts = torch.arange(8, device=blocks.device, dtype=torch.uint8).view(1, 8, 1)
-    high = ((blocks[:, 16:48].unsqueeze(1) >> shifts) & 1).reshape(blocks.shape[0], 256)
-    return _k_quant(blocks, _nibbles(blocks[:, 48:], 32) | (high << 4))
+    return _k_quant(blocks, q5_k_quants(blocks))
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     num_blocks = blocks.shape[0]
-    low = _nibbles(blocks[:, :128], 64)  # [num_blocks, 256]: 2 halves of 128
-    # In half h, bits 2s..2s+1 of qh[32h + l] top weight 32s + l.
-    shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8).view(1, 1, 4, 1)
-    high = (blocks[:, 128:192].reshape(num_blocks, 2, 1, 32) >> shifts) & 3
-    high = high.reshape(num_blocks, 256)
-    q = (low | (high << 4)).to(torch.int8) - 32
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [num_blocks, 16]
-    scale = (_f16(blocks, 208) * scales).unsqueeze(-1)
+    q = q6_k_quants(blocks).to(torch.int8) - 32
+    scale = (f16(blocks, 208) * q6_k_scales(blocks)).unsqueeze(-1)  # [num_blocks, 16, 1]
     return (scale * q.float().reshape(num_blocks, 16, 16)).reshape(num_blocks, 256)
 
 
@@ -170,14 +143,7 @@ def dequantize(
 ) -> torch.Tensor:
     """Dequantize the raw bytes of one GGML tensor to float32 of torch `shape` (row-major, the
     reverse of GGUF's dimension order), on `raw`'s device."""
-    block_numel, block_bytes = GGML_QUANT_SIZES[qtype]
-    numel = int(np.prod(shape))
-    if numel % block_numel != 0 or raw.numel() != numel // block_numel * block_bytes:
-        raise ValueError(
-            f"{qtype.name} tensor of shape {shape} needs {numel // block_numel * block_bytes} "
-            f"bytes in blocks of {block_numel}, got {raw.numel()} bytes"
-        )
-    blocks = raw.reshape(-1, block_bytes)  # [num_blocks, block_bytes] uint8
+    blocks = as_blocks(raw, qtype, shape)  # [num_blocks, block_bytes] uint8
     kernel = KERNELS.get(qtype)
     if kernel is None:
         reference = gguf_reference_dequantize(blocks.cpu().numpy(), qtype)
