@@ -78,11 +78,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The bundled SmolLM2-135M-Instruct, fp32 on the CPU, as a `LoadedModel`."""
+    """The bundled SmolLM2-135M-Instruct, dequantized to fp32 on the CPU (transformers'
+    reference computes with the same weights), as a `LoadedModel`."""
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.setup import load_engine_model
 
-    return load_engine_model(EngineConfig(dtype="float32"))
+    return load_engine_model(EngineConfig(dtype="float32", quantization="none"))
 
 
 @pytest.fixture(scope="session")

@@ -67,10 +67,15 @@ KV_CACHE_MEMORY = 256 * 2**20  # enough for every prompt's full length in fp32, 
 # How far the measured perplexity may stray from the reference's, by what is measured: the
 # model's dtype (a float KV cache) or the KV storage dtype.
 PERPLEXITY_TARGETS = {"float": 0.01, "int8": 0.01, "float8_e4m3fn": 0.03, "float8_e5m2": 0.05}
+# ... and by the weights' quantization (issue 31's targets, against float weights).
+WEIGHT_PERPLEXITY_TARGETS = {"gguf": 0.01, "int8": 0.005, "int4": 0.03}
 
 
-def perplexity_target(kv_cache_dtype: str) -> float:
-    """The relative perplexity bound for a run whose KV is stored as `kv_cache_dtype`."""
+def perplexity_target(kv_cache_dtype: str, quantization: str = "none") -> float:
+    """The relative perplexity bound for a run whose KV is stored as `kv_cache_dtype` and
+    whose weights are in `quantization`'s form."""
+    if quantization in WEIGHT_PERPLEXITY_TARGETS:
+        return WEIGHT_PERPLEXITY_TARGETS[quantization]
     return PERPLEXITY_TARGETS.get(kv_cache_dtype, PERPLEXITY_TARGETS["float"])
 
 
@@ -86,6 +91,7 @@ class DtypeRun:
     top2_gaps: list[list[float]]
     text_logprobs: list[float]
     text_argmax: list[int]
+    quantization: str = "none"  # the weights' form (`kvpool.model.quantization`)
 
     @property
     def perplexity(self) -> float:
@@ -93,20 +99,21 @@ class DtypeRun:
 
     @property
     def label(self) -> str:
-        if self.kv_cache_dtype == self.dtype:
-            return self.dtype
-        return f"{self.dtype}, KV {self.kv_cache_dtype}"
+        label = self.dtype if self.kv_cache_dtype == self.dtype else (
+            f"{self.dtype}, KV {self.kv_cache_dtype}")
+        return label if self.quantization == "none" else f"{label}, weights {self.quantization}"
 
 
 def measure(args: argparse.Namespace, dtype: str, kv_cache_dtype: str, prompts: tuple[str, ...],
-            max_tokens: int, text_tokens: int | None) -> DtypeRun:
-    """Load the model in `dtype` with its KV stored as `kv_cache_dtype`, decode `prompts`
-    greedily, score `TEXT`, free the model."""
+            max_tokens: int, text_tokens: int | None, quantization: str = "none") -> DtypeRun:
+    """Load the model in `dtype` with its KV stored as `kv_cache_dtype` and its weights in
+    `quantization`'s form, decode `prompts` greedily, score `TEXT`, free the model."""
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype=dtype, device=args.device, attention_backend=args.attention_backend,
-              kv_cache_memory=KV_CACHE_MEMORY, enable_warmup=False, kv_cache_dtype=kv_cache_dtype)
+              kv_cache_memory=KV_CACHE_MEMORY, enable_warmup=False, kv_cache_dtype=kv_cache_dtype,
+              quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     outputs = llm.generate(list(prompts), params, use_tqdm=not args.json)
     tokenizer = llm.get_tokenizer()
@@ -119,7 +126,7 @@ def measure(args: argparse.Namespace, dtype: str, kv_cache_dtype: str, prompts: 
                    [list(completion.token_ids) for completion in completions],
                    [[_top2_gap(entries) for entries in completion.logprobs or []]
                     for completion in completions],
-                   logprobs, argmax)
+                   logprobs, argmax, quantization)
     del llm, outputs
     gc.collect()
     return run
@@ -175,7 +182,7 @@ def compare(reference: DtypeRun, candidate: DtypeRun, prompts: tuple[str, ...],
     deltas = [abs(a - b) for a, b in
               zip(reference.text_logprobs, candidate.text_logprobs, strict=True)]
     relative = (cand_ppl - ref_ppl) / ref_ppl
-    target = perplexity_target(candidate.kv_cache_dtype)
+    target = perplexity_target(candidate.kv_cache_dtype, candidate.quantization)
     return {
         "reference_dtype": reference.dtype,
         "dtype": candidate.dtype,
@@ -255,11 +262,12 @@ def run(args: argparse.Namespace) -> int:
     if max_tokens < 1:
         raise SystemExit("--max-tokens must be at least 1")
     text_tokens = QUICK_TEXT_TOKENS if args.quick else None
-    configs = ((args.reference_dtype, args.reference_kv_cache_dtype),
-               (args.dtype, args.kv_cache_dtype))
-    runs = [measure(args, dtype, kv_cache_dtype, prompts, max_tokens, text_tokens)
-            for dtype, kv_cache_dtype in tqdm(configs, desc="configurations", unit="model",
-                                              disable=args.json)]
+    configs = ((args.reference_dtype, args.reference_kv_cache_dtype,
+                getattr(args, "reference_quantization", "none")),
+               (args.dtype, args.kv_cache_dtype, getattr(args, "quantization", "none")))
+    runs = [measure(args, dtype, kv_cache_dtype, prompts, max_tokens, text_tokens, quantization)
+            for dtype, kv_cache_dtype, quantization in tqdm(
+                configs, desc="configurations", unit="model", disable=args.json)]
     result = compare(*runs, prompts, max_tokens)
     print(json.dumps(result) if args.json else format_table(result))
     return 0

@@ -32,6 +32,7 @@ from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
 from kvpool.engine.config import PREEMPTION_MODES
 from kvpool.memory.kv_layout import KV_CACHE_DTYPES
 from kvpool.model.dtype import DTYPE_CHOICES
+from kvpool.model.quantization import QUANTIZATION_CHOICES
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
@@ -188,6 +189,11 @@ def add_precision_args(parser: Parser) -> None:
                         "KV quantization alone")
     parser.add_argument("--reference-kv-cache-dtype", default="auto",
                         choices=tuple(KV_CACHE_DTYPES), help="the reference's KV storage")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                        help="the weights measured: gguf (a GGUF's blocks as stored), int8 or "
+                        "int4 (quantized at load), none (default: dequantized into --dtype)")
+    parser.add_argument("--reference-quantization", default="none",
+                        choices=QUANTIZATION_CHOICES, help="the reference's weights (none)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--max-tokens", type=int, default=None,

@@ -48,5 +48,7 @@ def load_engine_model(config: EngineConfig, tp: TensorParallel | None = None,
         device=device,
         attention_backend=get_attention_backend(config.load.attention_backend, device),
         seed=config.load.seed,
+        quantization=config.load.quantization,
+        quantization_group_size=config.load.quantization_group_size,
         **shard,
     )

@@ -130,9 +130,6 @@ VLLM_ARGS: tuple[VLLMArg, ...] = (
             "directory's config.json instead of passing hf_overrides"),
     VLLMArg("config_format", ("auto", "hf"), "kvpool reads HF's config.json (or GGUF metadata)",
             "config_format must be 'auto' or 'hf'", str),
-    VLLMArg("quantization", (None, "gguf"), "kvpool reads GGUF files itself, dequantized at load",
-            "kvpool loads float checkpoints and GGUF files (dequantized at load); quantization "
-            "must be None or 'gguf'", str, ("-q",)),
     VLLMArg("cpu_offload_gb", (0,), "every weight stays on the device",
             "kvpool keeps every weight on the device; cpu_offload_gb must be 0 (swap_space "
             "gives the KV cache a host tier)", float),

@@ -69,6 +69,26 @@ class GroupQuantized:
         """The same row operation (a permutation, a slice) on codes, scales and mins."""
         return GroupQuantized(fn(self.codes), fn(self.scales), fn(self.mins), self.bits)
 
+    def narrow(self, dim: int, start: int, length: int) -> GroupQuantized:
+        """Rows (dim 0) or whole groups of columns (dim 1) `[start, start + length)`, as
+        `torch.Tensor.narrow`: what a tensor-parallel rank keeps."""
+        if dim == 0:
+            return self.map_rows(lambda t: t.narrow(0, start, length))
+        if start % self.group or length % self.group:
+            raise ValueError(f"columns [{start}, {start + length}) cut through groups of "
+                             f"{self.group}")
+        groups = slice(start // self.group, (start + length) // self.group)
+        return GroupQuantized(self.codes[:, start:start + length], self.scales[:, groups],
+                              self.mins[:, groups], self.bits)
+
+    def split(self, sizes: Sequence[int], dim: int = 0) -> tuple[GroupQuantized, ...]:
+        """Consecutive row blocks of `sizes` rows (a fused q/k/v into its parts)."""
+        if dim != 0:
+            raise ValueError("a GroupQuantized splits by rows only")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return tuple(self.narrow(0, start, size) for start, size in zip(starts, sizes,
+                                                                          strict=True))
+
     def with_group(self, group: int) -> GroupQuantized:
         """Exactly the same weights in smaller groups (`group` divides this group)."""
         if self.group % group:

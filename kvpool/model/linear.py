@@ -20,6 +20,10 @@ relative), and the plain weight is released afterwards unless another module sha
 language-model head tied to the embedding table keeps the table). Where oneDNN cannot serve
 (another device, dtype, or no bf16 support) the layer stays plain. `KVPOOL_PACKED_LINEARS=0`
 keeps every layer plain (for A/B measurements).
+
+A third form: `quantize()` gives the layer group-quantized weights (`kvpool.model.quantization`),
+multiplied as they are stored by `kvpool.kernels.quant_matmul`; the float weight is released.
+A layer holds exactly one of the three forms at a time: plain, packed or quantized.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvpool.kernels.quant_matmul import PackedWeight, quant_matmul, unpack
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # The batch size oneDNN is told to expect when it chooses the packed layout; any batch works.
@@ -74,6 +80,7 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
         self._packed: torch.Tensor | None = None  # oneDNN's layout of the weight, once packed
+        self.quantized: PackedWeight | None = None  # the weight's quantized form, once given
 
     @property
     def is_packed(self) -> bool:
@@ -82,12 +89,34 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        if self.quantized is not None:
+            out = quant_matmul(x, self.quantized)
+            return out if self.bias is None else out.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in the layer's dtype: a tied embedding's lookup (a packed
+        layer cannot answer; a tied head is never packed). # [len(ids), in_features]"""
+        if self.quantized is not None:
+            # The released float weight keeps the layer's dtype.
+            return unpack(self.quantized, ids).dequantize(self.weight.dtype)
+        return F.embedding(ids, self.weight)
+
+    @torch.no_grad()
+    def quantize(self, weight: PackedWeight) -> None:
+        """Hold `weight` (shared with a tied embedding, if any) instead of the float one."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"a quantized weight of shape {weight.shape} cannot replace "
+                             f"{(self.out_features, self.in_features)}")
+        self.quantized = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     @torch.no_grad()
     def pack(self) -> bool:
         """Lay the weight out for oneDNN once (where it can serve); returns whether it did. The
         plain weight is released unless it is shared."""
+        if self.quantized is not None:
+            return False
         if self._packed is not None or not can_pack(self.weight):
             return self._packed is not None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
@@ -98,4 +127,5 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed={self.is_packed}")
+                f"bias={self.bias is not None}, packed={self.is_packed}, "
+                f"quantized={self.quantized is not None}")

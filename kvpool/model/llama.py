@@ -36,12 +36,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention.backend import AttentionBackend
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.kernels import fused
+from kvpool.kernels.group_quant import GroupQuantized
 from kvpool.model.config import ModelConfig
 from kvpool.model.fused_weights import split_fused
 from kvpool.model.linear import Linear, empty_parameter
@@ -49,6 +49,8 @@ from kvpool.model.moe import SparseMoE
 from kvpool.model.moe import shard_slice as moe_shard_slice
 from kvpool.model.norms import HeadNorm, RMSNorm
 from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes, take_slice
+from kvpool.model.quantization import Quantization
+from kvpool.model.quantized_weights import quantize_linears
 from kvpool.model.rope import NoRotary, RopeTables, StepRotary
 
 
@@ -193,8 +195,12 @@ class LlamaModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        tied = self.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, num_local_vocab, False, dtype, device, tied)
+        # The table as a `Linear` whose rows are looked up (never packed: not in `linears()`);
+        # a tied head is that same layer.
+        self.embedding = Linear(config.hidden_size, num_local_vocab, False, dtype, device,
+                                self.embed_tokens)
+        self.lm_head = (self.embedding if config.tie_word_embeddings else
+                        Linear(config.hidden_size, num_local_vocab, False, dtype, device))
         self.rope_tables = RopeTables(config, device)
         # The multiplier rounded to the model's dtype, as transformers multiplies (exact: 1.0).
         self.embedding_multiplier = float(torch.tensor(config.embedding_multiplier, dtype=dtype))
@@ -235,10 +241,10 @@ class LlamaModel(nn.Module):
         """Vocab-parallel lookup: each rank its own rows, zeros for the others' ids, summed
         over the ranks (exact: one term is non-zero). # [num_tokens, hidden_size]"""
         if not self.tp.is_parallel:
-            return F.embedding(token_ids, self.embed_tokens)
+            return self.embedding.rows(token_ids)
         local_ids = token_ids - self.vocab_range.start
         is_other = (local_ids < 0) | (local_ids >= len(self.vocab_range))
-        hidden = F.embedding(local_ids.masked_fill(is_other, 0), self.embed_tokens)
+        hidden = self.embedding.rows(local_ids.masked_fill(is_other, 0))
         return self.tp.all_reduce_(hidden.masked_fill_(is_other.unsqueeze(-1), 0))
 
     # ------------------------------------------------------------- weights
@@ -257,49 +263,74 @@ class LlamaModel(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the (view of the) parameter it fills: this rank's shard, which
         `checkpoint_slices` says how to cut from the full checkpoint tensor."""
-        if any(linear.is_packed for linear in self.linears()):
+        if any(linear.is_packed or linear.quantized is not None
+               for linear, _ in self.linear_sources()):
             raise ValueError("the weights were packed for inference: load them into a new model")
-        targets = {"embed_tokens.weight": self.embed_tokens, "norm.weight": self.norm.weight}
-        if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head.weight
+        targets = {"norm.weight": self.norm.weight}
+        for linear, parts in self.linear_sources():
+            views = linear.weight.split(list(parts.values()), dim=0)
+            targets.update(zip(parts, views, strict=True))
         for i, layer in enumerate(self.layers):
             prefix = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = attn.q_size, attn.kv_size, attn.kv_size
             for norm_name, norm in layer.checkpoint_norms(self.config.sandwich_norms).items():
                 targets[prefix + norm_name + ".weight"] = norm.weight
-            for kind, qkv in (("weight", attn.qkv.weight), ("bias", attn.qkv.bias)):
-                if qkv is None:
-                    continue
-                q_part, k_part, v_part = qkv.split([q, k, v], dim=0)
-                targets[prefix + f"self_attn.q_proj.{kind}"] = q_part
-                targets[prefix + f"self_attn.k_proj.{kind}"] = k_part
-                targets[prefix + f"self_attn.v_proj.{kind}"] = v_part
-            targets[prefix + "self_attn.o_proj.weight"] = attn.o_proj.weight
+            if attn.qkv.bias is not None:
+                q_part, k_part, v_part = attn.qkv.bias.split(
+                    [attn.q_size, attn.kv_size, attn.kv_size], dim=0)
+                targets[prefix + "self_attn.q_proj.bias"] = q_part
+                targets[prefix + "self_attn.k_proj.bias"] = k_part
+                targets[prefix + "self_attn.v_proj.bias"] = v_part
             if isinstance(attn.q_norm, HeadNorm):
                 targets[prefix + "self_attn.q_norm.weight"] = attn.q_norm.weight
                 targets[prefix + "self_attn.k_norm.weight"] = attn.k_norm.weight
             if isinstance(mlp, SparseMoE):  # the Hub's per-expert names
                 for name, tensor in mlp.checkpoint_tensors("per_expert").items():
                     targets[prefix + name] = tensor
-                continue
-            gate, up = mlp.gate_up.weight.split(mlp.intermediate_size, dim=0)
-            targets[prefix + "mlp.gate_proj.weight"] = gate
-            targets[prefix + "mlp.up_proj.weight"] = up
-            targets[prefix + "mlp.down_proj.weight"] = mlp.down.weight
         return targets
 
+    def linear_sources(self) -> list[tuple[Linear, dict[str, int]]]:
+        """Each `Linear` whose weight comes from checkpoint tensors, with their names and row
+        counts in the order they fill it (q, k, v; gate, up). The embedding table is one: a
+        tied head's own, else a `Linear` used only for its rows."""
+        sources = []
+        for i, layer in enumerate(self.layers):
+            prefix = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            sources.append((attn.qkv, {prefix + "self_attn.q_proj.weight": attn.q_size,
+                                       prefix + "self_attn.k_proj.weight": attn.kv_size,
+                                       prefix + "self_attn.v_proj.weight": attn.kv_size}))
+            sources.append((attn.o_proj, {prefix + "self_attn.o_proj.weight":
+                                          attn.o_proj.out_features}))
+            if not isinstance(mlp, SparseMoE):
+                sources.append((mlp.gate_up, {prefix + "mlp.gate_proj.weight":
+                                              mlp.intermediate_size,
+                                              prefix + "mlp.up_proj.weight":
+                                              mlp.intermediate_size}))
+                sources.append((mlp.down, {prefix + "mlp.down_proj.weight":
+                                           mlp.down.out_features}))
+        vocab = len(self.vocab_range)
+        sources.append((self.embedding, {"embed_tokens.weight": vocab}))
+        if not self.config.tie_word_embeddings:
+            sources.append((self.lm_head, {"lm_head.weight": vocab}))
+        return sources
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (any dtype or device) into the parameters. Under tensor
-        parallelism each tensor must already be this rank's slice (`checkpoint_slices`), but
-        for fused ones (Phi-3's `qkv_proj`, `gate_up_proj`), given whole and split here.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]],
+                     quantization: Quantization = Quantization()) -> None:  # noqa: B008
+        """Copy checkpoint tensors (any dtype or device) into the parameters, then put the
+        matmul weights in `quantization`'s form (`kvpool.model.quantization`): a layer whose
+        every part came quantized (a GGUF's blocks, as `GroupQuantized`) keeps them so;
+        int8/int4 quantize the float ones. Under tensor parallelism each tensor must already
+        be this rank's slice (`checkpoint_slices`), but for fused ones (Phi-3's `qkv_proj`,
+        `gate_up_proj`), given whole and split here.
 
         Raises ValueError naming the tensor for an unknown name, a shape mismatch, or a tensor
         the model needs that `weights` never gave.
         """
         targets = self.checkpoint_tensors()
         missing = set(targets)
+        staged: dict[str, GroupQuantized] = {}
         for name, tensor in _unfused(self.config, self.tp, weights):
             target = targets.get(name)
             if target is None:
@@ -309,13 +340,19 @@ class LlamaModel(nn.Module):
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}{self._shard_note()}"
                 )
+            missing.discard(name)
+            if isinstance(tensor, GroupQuantized):
+                staged[name] = tensor
+                continue
             target.copy_(tensor)
             if name.endswith("norm.weight"):  # every RMSNorm: stored as weight - offset
                 target.add_(self.config.norm_offset)
-            missing.discard(name)
         if missing:
             shown = ", ".join(f"{n} {tuple(targets[n].shape)}" for n in sorted(missing)[:5])
             raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: {shown}")
+        quantize_linears(self.linear_sources(), targets, staged, quantization)
+        if self.embedding.quantized is not None:  # the table's float copy is gone
+            self.embed_tokens = empty_parameter(0, dtype=self.dtype, device=self.device)
 
     def _shard_note(self) -> str:
         if not self.tp.is_parallel:

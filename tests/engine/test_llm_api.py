@@ -54,7 +54,7 @@ def test_vllm_arguments_at_neutral_values_are_ignored_with_one_warning(tiny_dir,
         "trust_remote_code": True, "disable_log_stats": True, "max_logprobs": 5,
         "tokenizer": str(tiny_dir), "tokenizer_mode": "auto", "revision": None,
         "download_dir": None, "disable_custom_all_reduce": True,
-        "compilation_config": {"level": 3}, "quantization": None, "seed": 0,
+        "compilation_config": {"level": 3}, "seed": 0,
     }
     with caplog.at_level(logging.WARNING, logger="kvpool.engine.vllm_compat"):
         llm = LLM(str(tiny_dir), **SMALL, **neutral)
@@ -79,7 +79,8 @@ def test_vllm_names_of_kvpool_options_are_renamed(tiny_dir):
                                     r"\(tensor_parallel_size\); pipeline_parallel_size must be 1"),
     ({"pipeline_parallel_size": True}, "pipeline_parallel_size must be 1"),  # a bool is no size
     ({"tokenizer": "other/tokenizer"}, "tokenizer must be None or the model"),
-    ({"quantization": "awq"}, "quantization must be None or 'gguf'"),
+    ({"quantization": "awq"}, r"quantization must be one of \('gguf', 'int8', 'int4', "
+                              r"'none'\) or None"),
     ({"revision": "v2"}, "pass its snapshot directory as the model"),
     ({"download_dir": "/models"}, "set HF_HUB_CACHE"),
     ({"enable_lora": True}, "kvpool has no LoRA adapters"),

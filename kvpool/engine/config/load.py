@@ -11,6 +11,7 @@ from kvpool.attention.selector import ATTENTION_BACKENDS
 from kvpool.engine.config.options import check_at_least_one, option, parse_json_object
 from kvpool.engine.generation_config import check_generation_config_source
 from kvpool.model.dtype import DTYPE_CHOICES, canonical_dtype_name
+from kvpool.model.quantization import QUANTIZATION_CHOICES, Quantization
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class LoadConfig:
 
     `cpu_threads` fixes the model's CPU thread count; None follows the other processes' load
     (`kvpool.engine.cpu_threads`).
+
+    `quantization` (vLLM's name) says which matmul weights stay quantized in memory
+    (`kvpool.model.quantization`): None lets the checkpoint decide (a GGUF's blocks stay as
+    stored on the CPU), "gguf" requires that, "int8"/"int4" quantize a float checkpoint at
+    load in groups of `quantization_group_size`, "none" dequantizes everything into `dtype`.
     """
 
     TITLE: ClassVar[str] = "model loading"
@@ -50,6 +56,12 @@ class LoadConfig:
     cpu_threads: int | None = option(
         None, "threads for the model's CPU ops (default: the cores other processes leave "
         "free, looked at twice a second, at most the threads the process started with)")
+    quantization: str | None = option(
+        None, "weights kept quantized: gguf (a GGUF's blocks as stored), int8 or int4 "
+        "(quantized at load), none (all in --dtype); default: gguf for a GGUF file on the "
+        "CPU, else none", choices=QUANTIZATION_CHOICES, aliases=("-q",))
+    quantization_group_size: int = option(
+        32, "weights per scale for int8/int4 (a multiple of 8 dividing every input width)")
     seed: int = option(0)
     max_model_len: int | None = option(None)  # None: the model's own limit
     attention_backend: str = option(
@@ -76,6 +88,7 @@ class LoadConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
         check_generation_config_source(self.generation_config)
+        Quantization(self.quantization or "none", self.quantization_group_size)  # validates
         if self.override_generation_config is not None:
             if not isinstance(self.override_generation_config, Mapping):
                 raise ValueError("override_generation_config must be a dict of "

@@ -58,8 +58,11 @@ struct QuantizedActivations {
   at::Tensor sums;   // float32 [M, K/G]
 };
 
+// IEEE arithmetic here, whatever the file's flags: -ffast-math would turn amax / 127 into a
+// multiplication by a rounded reciprocal, and x / scale landing on a tie (common for bfloat16
+// inputs) would then round to another code than the PyTorch reference's.
 template <typename T>
-void quantize_row(const T* x, int64_t cols, int64_t group, int8_t* codes, float* scales,
+__attribute__((optimize("no-fast-math"))) void quantize_row(const T* x, int64_t cols, int64_t group, int8_t* codes, float* scales,
                   float* sums) {
   for (int64_t start = 0, g = 0; start < cols; start += group, ++g) {
     float amax = 0.0f, sum = 0.0f;

@@ -27,6 +27,7 @@ from kvpool.model.loaders.hf_dir import SafetensorsLoader, is_hf_directory
 from kvpool.model.loaders.hub import resolve_model_path
 from kvpool.model.parallel import TensorParallel, check_shapes
 from kvpool.model.presets import PRESETS
+from kvpool.model.quantization import resolve_quantization
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEFAULT_DUMMY_PRESET = "smollm2-135m"
@@ -58,8 +59,10 @@ def detect_load_format(model: str | Path) -> str:
     )
 
 
-def make_loader(model: ModelSource, load_format: str = "auto", seed: int = 0) -> WeightLoader:
-    """The `WeightLoader` for `model` in `load_format` (None = the default SmolLM2 GGUF)."""
+def make_loader(model: ModelSource, load_format: str = "auto", seed: int = 0,
+                keep_quantized: bool = False) -> WeightLoader:
+    """The `WeightLoader` for `model` in `load_format` (None = the default SmolLM2 GGUF);
+    `keep_quantized`: a GGUF's quantized blocks come as they are stored."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     if load_format == "dummy":
@@ -77,7 +80,7 @@ def make_loader(model: ModelSource, load_format: str = "auto", seed: int = 0) ->
         # that load HF directories or dummy weights may not have it).
         from kvpool.model.loaders.gguf_file import GGUFLoader
 
-        return GGUFLoader(gguf_path)
+        return GGUFLoader(gguf_path, keep_quantized)
     return SafetensorsLoader(path)
 
 
@@ -101,13 +104,16 @@ def load_model(
     attention_backend: AttentionBackend | None = None,
     seed: int = 0,
     tp: TensorParallel = TensorParallel.single(),  # noqa: B008 (frozen, immutable)
+    quantization: str | None = "none",
+    quantization_group_size: int = 32,
 ) -> LoadedModel:
     """Build the model (this rank's shard of it under `tp`), fill its weights, and load its
     tokenizer and generation config.
 
     `dtype` is a torch dtype or a name (`kvpool.model.dtype`; "auto" is decided for `device`).
     `attention_backend` defaults to the torch reference backend. `seed` only affects dummy
-    weights. ValueError if `tp.size` cannot split the model (`check_shapes`).
+    weights. `quantization`: `kvpool.model.quantization` (None: the checkpoint decides).
+    ValueError if `tp.size` cannot split the model (`check_shapes`).
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -115,11 +121,14 @@ def load_model(
         from kvpool.attention.torch_ref import TorchAttentionBackend
 
         attention_backend = TorchAttentionBackend()
-    loader = make_loader(model, load_format, seed)
+    if load_format == "auto" and not isinstance(model, ModelConfig):
+        load_format = detect_load_format(model if model is not None else default_model_path())
+    scheme = resolve_quantization(quantization, load_format, device, quantization_group_size)
+    loader = make_loader(model, load_format, seed, scheme.keeps_gguf_blocks)
     config = loader.load_config()
     check_shapes(config, tp.size)
     llama = LlamaModel(config, attention_backend, resolve_dtype(dtype, device), device, tp)
-    llama.load_weights(loader.iter_weights(config, device, tp))
+    llama.load_weights(loader.iter_weights(config, device, tp), scheme)
     llama.pack_weights()
     llama.eval()
     tokenizer = loader.load_tokenizer()

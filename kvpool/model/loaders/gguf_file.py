@@ -31,19 +31,22 @@ Sampling defaults: llama.cpp's converter copies a model's generation_config.json
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 
+from kvpool.kernels.group_quant import GroupQuantized
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_config import PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS, config_from_gguf
 from kvpool.model.layer_spec import ExpertNames, MoEConfig
 from kvpool.model.llama import shard_slice
 from kvpool.model.loaders.dequant import dequantize
+from kvpool.model.loaders.gguf_blocks import KEPT_TYPES, to_group_quantized
 from kvpool.model.parallel import ShardSlice, TensorParallel, take_slice
 from kvpool.model.tokenizer import Tokenizer
 
@@ -81,6 +84,8 @@ _EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps":
 _ROUTER = "ffn_gate_inp"
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency factors, folded into the config
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+                GGMLQuantizationType.F64)
 _CONFIG_TENSORS = (_ROPE_FREQS, PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS)  # not the model's
 
 
@@ -140,10 +145,12 @@ def dequantize_tensor(tensor: ReaderTensor, device: torch.device | str = "cpu") 
 
 
 def read_slice(
-    tensor: ReaderTensor, spec: ShardSlice, device: torch.device | str = "cpu"
-) -> torch.Tensor:
+    tensor: ReaderTensor, spec: ShardSlice, device: torch.device | str = "cpu",
+    keep_quantized: bool = False,
+) -> torch.Tensor | GroupQuantized:
     """The part `spec` names of a GGUF tensor (any number of dimensions), as float32, copying
-    and dequantizing only that part's blocks where it can.
+    and dequantizing only that part's blocks where it can; with `keep_quantized`, a matrix of
+    a type `gguf_blocks` keeps comes as its `GroupQuantized` instead.
 
     Each row (the last dimension) is a run of quantization blocks, so a range along any other
     dimension is a range of whole block runs, and a range of columns is a range of blocks
@@ -151,9 +158,24 @@ def read_slice(
     through a block cannot be taken from the raw bytes: the whole tensor is dequantized, then
     sliced.
     """
-    if spec is None:
-        return dequantize_tensor(tensor, device)
+    raw, shape = _raw_part(tensor, spec)
+    if raw is None:  # not block-aligned
+        return take_slice(dequantize_tensor(tensor, device), spec)
+    raw = raw.to(device)
+    if keep_quantized and len(shape) == 2 and tensor.tensor_type in KEPT_TYPES:
+        try:
+            return to_group_quantized(raw, tensor.tensor_type, shape)
+        except ValueError:  # a scale past float16's range: such a tensor stays float
+            pass
+    return dequantize(raw, tensor.tensor_type, shape)
+
+
+def _raw_part(tensor: ReaderTensor, spec: ShardSlice) -> tuple[torch.Tensor | None, tuple]:
+    """The raw bytes of the part `spec` names and its shape; None for the bytes where a
+    column range cuts through a block."""
     shape = torch_shape(tensor)
+    if spec is None:
+        return tensor_bytes(tensor), shape
     block_numel, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
     dim, span = spec
     # A view of the memory map: nothing is copied until the slice is taken.
@@ -161,21 +183,24 @@ def read_slice(
         *shape[:-1], shape[-1] // block_numel, block_bytes)
     is_column = dim == len(shape) - 1
     if is_column and (span.start % block_numel or span.stop % block_numel):
-        return take_slice(dequantize_tensor(tensor, device), spec)  # not block-aligned
+        return None, shape
     index = [slice(None)] * len(shape)
     index[dim] = slice(span.start // block_numel, span.stop // block_numel) if is_column else span
     part = blocks[tuple(index)]
-    raw = torch.from_numpy(np.array(part, copy=True).reshape(-1)).to(device)  # out of the map
+    raw = torch.from_numpy(np.array(part, copy=True).reshape(-1))  # out of the map
     part_shape = list(shape)
     part_shape[dim] = span.stop - span.start
-    return dequantize(raw, tensor.tensor_type, tuple(part_shape))
+    return raw, tuple(part_shape)
 
 
 class GGUFLoader:
-    """`WeightLoader` for one `.gguf` file."""
+    """`WeightLoader` for one `.gguf` file. With `keep_quantized` (`quantization="gguf"`) its
+    quantized matrices of the types `gguf_blocks` keeps come as `GroupQuantized`; other
+    quantized types are dequantized, with one warning naming them."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, keep_quantized: bool = False) -> None:
         self.path = Path(path)
+        self.keep_quantized = keep_quantized
         reader = GGUFReader(self.path)
         self.metadata: dict[str, Any] = {
             name: field.contents() for name, field in reader.fields.items()
@@ -203,6 +228,8 @@ class GGUFLoader:
         # Llama (SmolLM3), not for Qwen2/Qwen3.
         arch = self.metadata["general.architecture"]
         is_permuted = arch in ("llama", "smollm3")
+        if self.keep_quantized:
+            self._warn_dequantized_types()
         for gguf_name, tensor in self.tensors.items():
             if gguf_name in _CONFIG_TENSORS:
                 continue
@@ -213,11 +240,23 @@ class GGUFLoader:
                 continue
             names = config.moe.names if config.moe is not None else None
             name = checkpoint_name(gguf_name, config.sandwich_norms, names, arch == "phi3")
-            weight = read_slice(tensor, shard_slice(config, tp, name), device)
+            weight = read_slice(tensor, shard_slice(config, tp, name), device,
+                                self.keep_quantized)
             if is_permuted and (".q_proj." in name or ".k_proj." in name):
                 # Whole heads were read: put back each of the local ones.
-                weight = unpermute_rows(weight, weight.shape[0] // config.head_dim)
+                heads = weight.shape[0] // config.head_dim
+                weight = (weight.map_rows(lambda rows, n=heads: unpermute_rows(rows, n))
+                          if isinstance(weight, GroupQuantized) else unpermute_rows(weight, heads))
             yield name, weight
+
+    def _warn_dequantized_types(self) -> None:
+        """One warning naming the quantized types this file holds that stay float."""
+        dropped = sorted({t.tensor_type.name for t in self.tensors.values()
+                          if t.tensor_type not in (*KEPT_TYPES, *_FLOAT_TYPES)})
+        if dropped:
+            warnings.warn(f"{self.path.name}: {', '.join(dropped)} tensors are dequantized at "
+                          f"load (kept quantized: "
+                          f"{', '.join(sorted(t.name for t in KEPT_TYPES))})", stacklevel=3)
 
     @staticmethod
     def _read_experts(tensor: ReaderTensor, config: ModelConfig, tp: TensorParallel,
