@@ -9,7 +9,9 @@ adds which baselines run and their settings. The benchmark is kvpool's own
 interface, so the user command carries no vLLM or transformers code. vLLM runs from its own
 venv (`make vllm-venv`, or `--vllm-python`); a GGUF model is given to it as a HuggingFace
 directory exported from the same file (`benchmarks.hf_export`). llama.cpp runs from its own
-venv too (`make llamacpp-venv`, or `--llamacpp-python`) on the GGUF file itself.
+venv too (`make llamacpp-venv`, or `--llamacpp-python`) on the GGUF file itself: `llamacpp` one
+request at a time (llama-cpp-python's `Llama`), `llamacpp-batched` a run's requests together
+(its low-level batch API).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvpool.bench.throughput import Baseline
 from kvpool.cli.args import add_engine_args, engine_config_from_args
 from kvpool.cli.bench import add_throughput_args
 
-BASELINES = ("vllm", "llamacpp", "hf")
+BASELINES = ("vllm", "llamacpp", "llamacpp-batched", "hf")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(parser)
     parser.add_argument("--baseline", action="extend", nargs="+", choices=BASELINES,
                         default=[], help="run vLLM (its venv: `make vllm-venv`), llama.cpp "
-                        "(`make llamacpp-venv`) and/or transformers generate on the same "
+                        "(`make llamacpp-venv`; one request at a time, or batched) and/or "
+                        "transformers generate on the same "
                         "requests, once per dtype and KV dtype, next to the first preemption "
                         "mode")
     parser.add_argument("--baseline-batch-size", type=int, default=16,
@@ -54,6 +57,8 @@ def baselines_from_args(args: argparse.Namespace) -> list[Baseline]:
     """The baselines `--baseline` names, in the order given."""
     made = {"vllm": lambda: VLLMBaseline(args.vllm_python, args.latency_tokens),
             "llamacpp": lambda: LlamaCppBaseline(args.llamacpp_python, args.latency_tokens),
+            "llamacpp-batched": lambda: LlamaCppBaseline(args.llamacpp_python,
+                                                         args.latency_tokens, batched=True),
             "hf": lambda: TransformersBaseline(args.baseline_batch_size, not args.json)}
     return [made[name]() for name in dict.fromkeys(args.baseline)]
 

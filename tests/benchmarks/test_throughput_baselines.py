@@ -4,13 +4,17 @@ llama.cpp's and transformers' baselines handed to it (`kvpool.bench.throughput.B
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.throughput_baselines import main
+from benchmarks.baseline_process import run_runner
+from benchmarks.llamacpp_baseline import DEFAULT_VENV_PYTHON, RUNNER, LlamaCppBaseline, gguf_path
+from benchmarks.throughput_baselines import baselines_from_args, build_parser, main
 from benchmarks.vllm_baseline import longest_request, vllm_kv_cache_gib
 from kvpool.bench.throughput import Workload
 
@@ -82,3 +86,49 @@ def test_vllm_is_sized_for_the_longest_request_not_the_models_context():
     plan = {"runs": [{"label": "2", "requests": [[[1] * 30, 5], [[1] * 10, 40]]}],
             "latency_prompt": [1] * 30, "latency_tokens": 8}
     assert longest_request(plan) == 50
+
+
+def test_llamacpp_batched_gives_every_request_of_the_largest_run_a_sequence():
+    runs = [("3", [([1] * 30, 5), ([1] * 10, 40), ([1] * 250, 7)]), ("1", [([1] * 30, 5)])]
+    one_at_a_time = LlamaCppBaseline(None, 8).plan(Path("m.gguf"), runs)
+    batched = LlamaCppBaseline(None, 8, batched=True).plan(Path("m.gguf"), runs)
+    assert "n_seq_max" not in one_at_a_time
+    assert batched == {**one_at_a_time, "n_seq_max": 3}
+    assert batched["n_ctx"] == 512  # per sequence: the longest request, 257 tokens, rounded up
+
+
+def test_both_llamacpp_modes_are_baselines_of_their_own():
+    args = build_parser().parse_args(["--baseline", "llamacpp", "llamacpp-batched"])
+    assert [(b.name, b.label) for b in baselines_from_args(args)] == [
+        ("llamacpp", "llama.cpp"), ("llamacpp-batched", "llama.cpp batched")]
+
+
+def _llamacpp_python() -> Path:
+    python = Path(os.environ.get("KVPOOL_LLAMACPP_PYTHON") or REPO / DEFAULT_VENV_PYTHON)
+    if not python.exists():
+        pytest.skip(f"no llama-cpp-python venv at {python}: `make llamacpp-venv`")
+    return python
+
+
+def _llamacpp_tokens(baseline: LlamaCppBaseline, requests: list, **plan_changes) -> list:
+    plan = {**baseline.plan(gguf_path(None), [("3", requests)]), **plan_changes}
+    result = run_runner(baseline.label, RUNNER, _llamacpp_python(), plan)
+    assert result["decode_ms_per_token"] > 0
+    return result["runs"]["3"]["token_ids"]
+
+
+def test_llamacpp_batched_decodes_the_same_tokens_as_one_at_a_time():
+    rng = random.Random(0)
+    requests = [([rng.randrange(100, 49152) for _ in range(length)], max_tokens)
+                for length, max_tokens in ((12, 8), (30, 3), (5, 6))]
+    alone = _llamacpp_tokens(LlamaCppBaseline(None, 2), requests)
+    batched = LlamaCppBaseline(None, 2, batched=True)
+    together = _llamacpp_tokens(batched, requests)
+    # Two sequence ids for three requests: the third waits for the second's to come free.
+    in_turn = _llamacpp_tokens(batched, requests, n_seq_max=2)
+    for tokens in (alone, together, in_turn):
+        assert [len(ids) for ids in tokens] == [8, 3, 6]  # EOS ignored: exactly max_tokens
+    # Greedy on the same weights and kernels: batching may move a near tie, so the first
+    # tokens are compared, not the whole output.
+    assert [ids[:3] for ids in together] == [ids[:3] for ids in alone]
+    assert [ids[:3] for ids in in_turn] == [ids[:3] for ids in alone]
