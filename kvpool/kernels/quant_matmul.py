@@ -29,14 +29,10 @@ _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A `GroupQuantized` `[rows, cols]` in the kernel's layout (rows padded to panels of 16).
+    """A `GroupQuantized` `[rows, cols]` in the kernel's layout: rows padded to panels of 16,
+    each panel one run of blocks, one a group (its codes, then 16 float16 scales and mins)."""
 
-    data: uint8, `cols * 16 * bits / 8` bytes a panel; scales, mins: float16
-    `[panels, cols / group, 16]`."""
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor
+    data: torch.Tensor  # uint8 [panels, groups, block_bytes], flattened
     bits: int
     group: int
     rows: int
@@ -44,11 +40,20 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + self.scales.nbytes + self.mins.nbytes
+        return self.data.nbytes
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.rows, self.cols
+
+    @property
+    def code_bytes(self) -> int:
+        """A block's codes: 16 rows × `group` codes of `bits`."""
+        return self.group * PANEL * self.bits // 8
+
+    def blocks(self) -> torch.Tensor:
+        """# [panels, groups, code_bytes + 64] uint8"""
+        return self.data.view(-1, self.cols // self.group, self.code_bytes + 4 * PANEL)
 
 
 def pack(weight: GroupQuantized) -> PackedWeight:
@@ -59,14 +64,16 @@ def pack(weight: GroupQuantized) -> PackedWeight:
     padding = -rows % PANEL
     codes, scales, mins = (F.pad(t, (0, 0, 0, padding)) for t in
                            (weight.codes, weight.scales, weight.mins))
-    panels = codes.shape[0] // PANEL
+    panels, groups = codes.shape[0] // PANEL, cols // weight.group
     # [panel, 16 rows, k/4, 4] -> [panel, k/4, 16 rows, 4]: a quad's 16 rows × 4 codes together.
     quads = codes.reshape(panels, PANEL, cols // 4, 4).transpose(1, 2)
     if weight.bits == 4:  # quads 2i and 2i + 1 share bytes: low nibble, high nibble
         pairs = quads.reshape(panels, cols // 8, 2, PANEL * 4)
         quads = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
-    return PackedWeight(quads.contiguous().reshape(-1), *(_panel_major(t, panels) for t in
-                        (scales, mins)), weight.bits, weight.group, rows, cols)
+    blocks = [quads.reshape(panels, groups, -1),
+              *(_panel_major(t, panels).view(torch.uint8) for t in (scales, mins))]
+    return PackedWeight(torch.cat(blocks, dim=2).reshape(-1), weight.bits, weight.group, rows,
+                        cols)
 
 
 def _panel_major(per_row: torch.Tensor, panels: int) -> torch.Tensor:
@@ -78,13 +85,15 @@ def unpack(weight: PackedWeight, rows: torch.Tensor | None = None) -> GroupQuant
     """The `GroupQuantized` of `weight`, or of only the given `rows` (an embedding lookup)."""
     rows = torch.arange(weight.rows) if rows is None else rows
     panel, lane = rows // PANEL, rows % PANEL
-    panels = weight.scales.shape[0]
-    if weight.bits == 4:
-        data = weight.data.reshape(panels, weight.cols // 8, PANEL, 4)[panel, :, lane]
-        codes = torch.stack([data & 0x0F, data >> 4], dim=2)  # [n, k/8, 2 quads, 4]
-    else:
-        codes = weight.data.reshape(panels, weight.cols // 4, PANEL, 4)[panel, :, lane]
-    scales, mins = (t[panel, :, lane] for t in (weight.scales, weight.mins))
+    blocks = weight.blocks()[panel]  # [n, groups, block_bytes]
+    chunks = blocks[..., :weight.code_bytes].reshape(len(rows), -1, PANEL, 4)
+    codes = chunks[torch.arange(len(rows)), :, lane]  # [n, chunks of 4 k, 4]: each row's lane
+    if weight.bits == 4:  # [n, k/8, 4] bytes -> [n, k/8, 2 quads, 4]
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=2)
+    halves = blocks[..., weight.code_bytes:].contiguous().view(torch.float16)  # [n, groups, 32]
+    index = lane.view(-1, 1, 1).expand(-1, halves.shape[1], 1)
+    scales = halves[..., :PANEL].gather(2, index).squeeze(2)
+    mins = halves[..., PANEL:].gather(2, index).squeeze(2)
     return GroupQuantized(codes.reshape(len(rows), weight.cols), scales, mins, weight.bits)
 
 
@@ -126,9 +135,8 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """x Wᵀ for `x` `[M, cols]` (any leading dimensions flattened). # [..., rows]"""
     flat = x.reshape(-1, weight.cols)
     if is_served(flat):
-        out = torch.ops.kvpool_cpu.quant_matmul(flat.contiguous(), weight.data, weight.scales,
-                                                weight.mins, weight.bits, weight.group,
-                                                weight.rows)
+        out = torch.ops.kvpool_cpu.quant_matmul(flat.contiguous(), weight.data, weight.bits,
+                                                weight.group, weight.rows)
     else:
         out = quant_matmul_reference(flat, weight)
     return out.reshape(*x.shape[:-1], weight.rows)

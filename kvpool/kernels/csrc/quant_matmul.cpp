@@ -2,8 +2,8 @@
 // codes with a float16 (scale, min) per group of `group` weights along each row
 // (`kvpool.kernels.group_quant`), never expanded to a float copy of W.
 //
-//   quant_matmul(x [M, K] float32|bfloat16, data uint8, scales [P, K/G, 16] f16,
-//                mins [P, K/G, 16] f16, bits, group, out_features N) -> [M, N] (x's dtype)
+//   quant_matmul(x [M, K] float32|bfloat16, data uint8, bits, group, out_features N)
+//       -> [M, N] (x's dtype)
 //
 // The activations are quantized on entry, per token and per weight group (the group of x
 // matches W's, so one x scale holds across each integer dot product):
@@ -14,18 +14,22 @@
 // sum over groups runs in a fixed order, so results do not depend on the thread count.
 //
 // Layout (`kvpool.kernels.quant_matmul.pack` writes it): rows in panels of 16 (N padded with
-// zero rows), and within a panel, k in quads, each quad's 16 rows × 4 codes contiguous:
-//   8-bit: data[p][k/4][n%16][k%4]                     K·16 bytes a panel
-//   4-bit: data[p][k/8][j], j = (n%16)·4 + k%4: the low nibble holds k/8·8 + k%4, the high
-//          nibble k/8·8 + 4 + k%4                        K·8 bytes a panel
-//   scales, mins: [p][g][n%16]
+// zero rows); each panel a run of groups, each group one block of its codes followed by its
+// float16 scales and mins:
+//   block(p, g) = codes | scales[16] | mins[16]      G·16·bits/8 + 64 bytes
+//   codes, 8-bit: [k/4][n%16][k%4]  (k within the group)
+//   codes, 4-bit: [k/8][j], j = (n%16)·4 + k%4: the low nibble holds k/8·8 + k%4, the high
+//                 nibble k/8·8 + 4 + k%4
 // One 512-bit load is then the 16 rows × 4 k that vpdpbusd multiplies by 4 broadcast bytes of
-// x: lanes are output rows, so no horizontal sum is ever needed. A tile of up to 4 tokens × 32
-// rows shares each unpacked weight vector, so at batch 1 the kernel streams W once and at larger
-// batches it reuses W from cache.
+// x: lanes are output rows, so no horizontal sum is ever needed. And a panel is one sequential
+// stream, scales included: with codes and scales in separate arrays a tile read a dozen streams
+// and reached a third of the bandwidth one stream does on this machine's cold weights.
 //
-// Work is split over 32-row tiles with at::parallel_for (torch's OpenMP pool). Without VNNI the
-// same arithmetic runs as scalar C++.
+// A tile of up to 4 tokens × 2 panels shares each unpacked weight vector, so at larger batches
+// the kernel reuses W from cache; a single token reads one panel at a time, so that each
+// thread streams one run of memory. Work is split over
+// panels with at::parallel_for (torch's OpenMP pool). Without VNNI the same arithmetic runs as
+// scalar C++.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +38,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#ifndef KVPOOL_PREFETCH
+#define KVPOOL_PREFETCH 1024
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -62,8 +70,9 @@ struct QuantizedActivations {
 // multiplication by a rounded reciprocal, and x / scale landing on a tie (common for bfloat16
 // inputs) would then round to another code than the PyTorch reference's.
 template <typename T>
-__attribute__((optimize("no-fast-math"))) void quantize_row(const T* x, int64_t cols, int64_t group, int8_t* codes, float* scales,
-                  float* sums) {
+__attribute__((optimize("no-fast-math"))) void quantize_row(const T* x, int64_t cols,
+                                                            int64_t group, int8_t* codes,
+                                                            float* scales, float* sums) {
   for (int64_t start = 0, g = 0; start < cols; start += group, ++g) {
     float amax = 0.0f, sum = 0.0f;
     for (int64_t k = start; k < start + group; ++k) {
@@ -102,12 +111,16 @@ QuantizedActivations quantize_activations(const at::Tensor& x, int64_t group) {
 // Where a tile reads and writes: the weights of its panels and its tokens' activations.
 struct Operands {
   const uint8_t* data;
-  const at::Half* scales;
-  const at::Half* mins;
   const int8_t* x_codes;
   const float* x_scales;
   const float* x_sums;
   int64_t cols, group, rows;  // K, G, N (unpadded)
+  int64_t code_bytes;         // a block's codes: G·16·bits/8
+  int64_t groups() const { return cols / group; }
+  int64_t block_bytes() const { return code_bytes + 4 * kPanel; }
+  const uint8_t* block(int64_t panel, int64_t g) const {
+    return data + (panel * groups() + g) * block_bytes();
+  }
 };
 
 template <typename Out>
@@ -117,19 +130,32 @@ void store_row(Out* out, const float* values, int64_t count) {
 
 #ifdef KVPOOL_VNNI
 
+// How far ahead of its loads a tile asks for its panels' codes. The hardware prefetchers stop
+// at every 4 KiB page, about one panel, so a cold weight streamed without this runs at a
+// third of the memory bus (measured: 14 against 45 GB/s).
+constexpr int64_t kPrefetchBytes = KVPOOL_PREFETCH;
+
 // The 16 rows × 8 k of codes at k (a multiple of 8) in one panel, as two vectors of 16 rows ×
 // 4 k: quad k/4 and quad k/4 + 1.
 template <int Bits>
-inline void load_codes(const uint8_t* panel, int64_t k, __m512i& first, __m512i& second) {
+inline void load_codes(const uint8_t* block, int64_t k, __m512i& first, __m512i& second) {
+  const uint8_t* at = block + k * Bits * 2;
+  _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
+  if constexpr (Bits == 8)
+    _mm_prefetch(reinterpret_cast<const char*>(at + 64 + kPrefetchBytes), _MM_HINT_T0);
   if constexpr (Bits == 4) {
-    const __m512i packed = _mm512_loadu_si512(panel + k * 8);
+    const __m512i packed = _mm512_loadu_si512(at);
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
     first = _mm512_and_si512(packed, low_nibbles);
     second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
   } else {
-    first = _mm512_loadu_si512(panel + k * 16);
-    second = _mm512_loadu_si512(panel + k * 16 + 64);
+    first = _mm512_loadu_si512(at);
+    second = _mm512_loadu_si512(at + 64);
   }
+}
+
+inline __m512 load_halves(const uint8_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
 inline int32_t four_codes(const int8_t* x) {
@@ -141,40 +167,45 @@ inline int32_t four_codes(const int8_t* x) {
 // One tile: T tokens (from `token`) × R panels (from `panel`), written to out rows.
 template <int Bits, int T, int R, typename Out>
 void tile(const Operands& op, int64_t panel, int64_t token, Out* out, int64_t out_stride) {
-  const int64_t groups = op.cols / op.group;
-  const int64_t panel_bytes = op.cols * Bits * kPanel / 8;
+  const int64_t groups = op.groups();
+  // A single token gives each row's sum its own two chains (even and odd quads): vpdpbusd's
+  // latency, not the memory bus, would otherwise bound a batch-1 step.
+  constexpr int S = T == 1 ? 2 : 1;
   __m512 acc[T][R];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[T][R];
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) dot[t][r] = _mm512_setzero_si512();
-    for (int64_t k = g * op.group; k < (g + 1) * op.group; k += 8) {
+    __m512i dot[S][T][R];
+    for (int c = 0; c < S; ++c)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) dot[c][t][r] = _mm512_setzero_si512();
+    const uint8_t* block[R];
+    for (int r = 0; r < R; ++r) block[r] = op.block(panel + r, g);
+    for (int64_t k = 0; k < op.group; k += 8) {
       __m512i first[R], second[R];
-      for (int r = 0; r < R; ++r)
-        load_codes<Bits>(op.data + (panel + r) * panel_bytes, k, first[r], second[r]);
+      for (int r = 0; r < R; ++r) load_codes<Bits>(block[r], k, first[r], second[r]);
       for (int t = 0; t < T; ++t) {
-        const int8_t* x = op.x_codes + (token + t) * op.cols + k;
+        const int8_t* x = op.x_codes + (token + t) * op.cols + g * op.group + k;
         const __m512i x_first = _mm512_set1_epi32(four_codes(x));
         const __m512i x_second = _mm512_set1_epi32(four_codes(x + 4));
         for (int r = 0; r < R; ++r) {
-          dot[t][r] = _mm512_dpbusd_epi32(dot[t][r], first[r], x_first);
-          dot[t][r] = _mm512_dpbusd_epi32(dot[t][r], second[r], x_second);
+          dot[0][t][r] = _mm512_dpbusd_epi32(dot[0][t][r], first[r], x_first);
+          dot[S - 1][t][r] = _mm512_dpbusd_epi32(dot[S - 1][t][r], second[r], x_second);
         }
       }
     }
+    if constexpr (S == 2)
+      for (int r = 0; r < R; ++r) dot[0][0][r] = _mm512_add_epi32(dot[0][0][r], dot[1][0][r]);
     __m512 scale[R], min[R];
     for (int r = 0; r < R; ++r) {
-      const int64_t at = ((panel + r) * groups + g) * kPanel;
-      scale[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.scales + at)));
-      min[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.mins + at)));
+      scale[r] = load_halves(block[r] + op.code_bytes);
+      min[r] = load_halves(block[r] + op.code_bytes + 2 * kPanel);
     }
     for (int t = 0; t < T; ++t) {
       const __m512 x_scale = _mm512_set1_ps(op.x_scales[(token + t) * groups + g]);
       const __m512 x_sum = _mm512_set1_ps(op.x_sums[(token + t) * groups + g]);
       for (int r = 0; r < R; ++r) {
-        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][r]),
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0][t][r]),
                                     _mm512_mul_ps(scale[r], x_scale), acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(min[r], x_sum, acc[t][r]);
       }
@@ -207,6 +238,10 @@ template <int Bits, typename Out>
 void panels(const Operands& op, int64_t begin, int64_t end, int64_t num_tokens, Out* out,
             int64_t stride) {
   int64_t panel = begin;
+  if (num_tokens == 1) {  // one panel at a time: a single sequential stream (measured best)
+    for (; panel < end; ++panel) tile<Bits, 1, 1>(op, panel, 0, out, stride);
+    return;
+  }
   for (; panel + kPanelsPerTile <= end; panel += kPanelsPerTile)
     tokens<Bits, kPanelsPerTile>(op, panel, num_tokens, out, stride);
   if (panel < end) tokens<Bits, 1>(op, panel, num_tokens, out, stride);
@@ -214,21 +249,27 @@ void panels(const Operands& op, int64_t begin, int64_t end, int64_t num_tokens, 
 
 #else  // the same arithmetic, scalar
 
+// The code of row `lane` at k (within the group) in a block.
 template <int Bits>
-inline int code_at(const uint8_t* panel, int64_t lane, int64_t k) {
+inline int code_at(const uint8_t* block, int64_t lane, int64_t k) {
   if constexpr (Bits == 4) {
-    const uint8_t byte = panel[(k / 8) * 64 + lane * 4 + k % 4];
+    const uint8_t byte = block[(k / 8) * 64 + lane * 4 + k % 4];
     return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
   } else {
-    return panel[(k / 4) * 64 + lane * 4 + k % 4];
+    return block[(k / 4) * 64 + lane * 4 + k % 4];
   }
+}
+
+inline float half_at(const uint8_t* at, int64_t lane) {
+  at::Half value;
+  std::memcpy(&value, at + 2 * lane, sizeof(value));
+  return static_cast<float>(value);
 }
 
 template <int Bits, typename Out>
 void panels(const Operands& op, int64_t begin, int64_t end, int64_t num_tokens, Out* out,
             int64_t stride) {
-  const int64_t groups = op.cols / op.group;
-  const int64_t panel_bytes = op.cols * Bits * kPanel / 8;
+  const int64_t groups = op.groups();
   float values[kPanel];
   for (int64_t panel = begin; panel < end; ++panel)
     for (int64_t m = 0; m < num_tokens; ++m) {
@@ -236,13 +277,13 @@ void panels(const Operands& op, int64_t begin, int64_t end, int64_t num_tokens, 
       for (int64_t lane = 0; lane < kPanel; ++lane) {
         float acc = 0.0f;
         for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* block = op.block(panel, g);
           int32_t dot = 0;
-          for (int64_t k = g * op.group; k < (g + 1) * op.group; ++k)
-            dot += code_at<Bits>(op.data + panel * panel_bytes, lane, k) * x[k];
-          const int64_t at = (panel * groups + g) * kPanel + lane;
-          acc += static_cast<float>(dot) * (static_cast<float>(op.scales[at]) *
-                                            op.x_scales[m * groups + g]);
-          acc += static_cast<float>(op.mins[at]) * op.x_sums[m * groups + g];
+          for (int64_t k = 0; k < op.group; ++k)
+            dot += code_at<Bits>(block, lane, k) * x[g * op.group + k];
+          const float scale = half_at(block + op.code_bytes, lane);
+          acc += static_cast<float>(dot) * (scale * op.x_scales[m * groups + g]);
+          acc += half_at(block + op.code_bytes + 2 * kPanel, lane) * op.x_sums[m * groups + g];
         }
         values[lane] = acc;
       }
@@ -254,17 +295,16 @@ void panels(const Operands& op, int64_t begin, int64_t end, int64_t num_tokens, 
 #endif
 
 template <typename T>
-at::Tensor matmul_typed(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits, int64_t group, int64_t rows) {
+at::Tensor matmul_typed(const at::Tensor& x, const at::Tensor& data, int64_t bits, int64_t group,
+                        int64_t rows) {
   const QuantizedActivations q = quantize_activations<T>(x, group);
   const int64_t num_tokens = x.size(0);
   at::Tensor out = at::empty({num_tokens, rows}, x.options());
-  const Operands op{data.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                    mins.data_ptr<at::Half>(), q.codes.data_ptr<int8_t>(),
+  const Operands op{data.data_ptr<uint8_t>(), q.codes.data_ptr<int8_t>(),
                     q.scales.data_ptr<float>(), q.sums.data_ptr<float>(),
-                    x.size(1), group, rows};
+                    x.size(1), group, rows, group * kPanel * bits / 8};
   T* out_data = out.data_ptr<T>();
-  const int64_t num_panels = scales.size(0);
+  const int64_t num_panels = (rows + kPanel - 1) / kPanel;
   const int64_t num_tiles = (num_panels + kPanelsPerTile - 1) / kPanelsPerTile;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = begin * kPanelsPerTile;
@@ -277,26 +317,21 @@ at::Tensor matmul_typed(const at::Tensor& x, const at::Tensor& data, const at::T
   return out;
 }
 
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits, int64_t group,
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, int64_t bits, int64_t group,
                         int64_t out_features) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dimension");
   const int64_t cols = x.size(1);
   TORCH_CHECK(group % 8 == 0 && cols % group == 0, "the group must be a multiple of 8 dividing K");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be uint8");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
-                  scales.is_contiguous() && mins.is_contiguous(),
-              "scales and mins must be contiguous float16");
   const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == num_panels && scales.size(1) == cols / group &&
-                  scales.size(2) == kPanel && mins.sizes() == scales.sizes(),
-              "scales and mins must be [panels, K / group, 16]");
-  TORCH_CHECK(data.numel() == num_panels * kPanel * cols * bits / 8, "data has the wrong size");
+  const int64_t block_bytes = group * kPanel * bits / 8 + 4 * kPanel;
+  TORCH_CHECK(data.numel() == num_panels * (cols / group) * block_bytes,
+              "data does not hold ", out_features, " rows of ", cols, " ", bits,
+              "-bit codes in groups of ", group);
   switch (x.scalar_type()) {
-    case at::kFloat: return matmul_typed<float>(x, data, scales, mins, bits, group, out_features);
-    case at::kBFloat16:
-      return matmul_typed<at::BFloat16>(x, data, scales, mins, bits, group, out_features);
+    case at::kFloat: return matmul_typed<float>(x, data, bits, group, out_features);
+    case at::kBFloat16: return matmul_typed<at::BFloat16>(x, data, bits, group, out_features);
     default: TORCH_CHECK(false, "quant_matmul takes float32 or bfloat16 activations");
   }
 }
@@ -304,8 +339,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvpool_cpu, m) {
-  m.def("quant_matmul(Tensor x, Tensor data, Tensor scales, Tensor mins, int bits, int group, "
-        "int out_features) -> Tensor");
+  m.def("quant_matmul(Tensor x, Tensor data, int bits, int group, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpool_cpu, CPU, m) { m.impl("quant_matmul", &quant_matmul); }
