@@ -266,27 +266,39 @@ class LlamaModel(nn.Module):
         if any(linear.is_packed or linear.quantized is not None
                for linear, _ in self.linear_sources()):
             raise ValueError("the weights were packed for inference: load them into a new model")
-        targets = {"norm.weight": self.norm.weight}
-        for linear, parts in self.linear_sources():
-            views = linear.weight.split(list(parts.values()), dim=0)
-            targets.update(zip(parts, views, strict=True))
+        views = {name: view for linear, parts in self.linear_sources() for name, view in
+                 zip(parts, linear.weight.split(list(parts.values()), dim=0), strict=True)}
+        # The order loaders draw dummy weights in: the embedding, the final norm and head, then
+        # each layer's tensors.
+        targets = {"embed_tokens.weight": views.pop("embed_tokens.weight"),
+                   "norm.weight": self.norm.weight}
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = views.pop("lm_head.weight")
         for i, layer in enumerate(self.layers):
             prefix = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for norm_name, norm in layer.checkpoint_norms(self.config.sandwich_norms).items():
                 targets[prefix + norm_name + ".weight"] = norm.weight
+            for part in ("q_proj", "k_proj", "v_proj"):
+                targets[f"{prefix}self_attn.{part}.weight"] = views.pop(
+                    f"{prefix}self_attn.{part}.weight")
             if attn.qkv.bias is not None:
                 q_part, k_part, v_part = attn.qkv.bias.split(
                     [attn.q_size, attn.kv_size, attn.kv_size], dim=0)
                 targets[prefix + "self_attn.q_proj.bias"] = q_part
                 targets[prefix + "self_attn.k_proj.bias"] = k_part
                 targets[prefix + "self_attn.v_proj.bias"] = v_part
+            targets[prefix + "self_attn.o_proj.weight"] = views.pop(
+                prefix + "self_attn.o_proj.weight")
             if isinstance(attn.q_norm, HeadNorm):
                 targets[prefix + "self_attn.q_norm.weight"] = attn.q_norm.weight
                 targets[prefix + "self_attn.k_norm.weight"] = attn.k_norm.weight
             if isinstance(mlp, SparseMoE):  # the Hub's per-expert names
                 for name, tensor in mlp.checkpoint_tensors("per_expert").items():
                     targets[prefix + name] = tensor
+                continue
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                targets[f"{prefix}mlp.{part}.weight"] = views.pop(f"{prefix}mlp.{part}.weight")
         return targets
 
     def linear_sources(self) -> list[tuple[Linear, dict[str, int]]]:
