@@ -182,11 +182,15 @@ def format_table(summary: dict[str, object]) -> str:
 def _in_process_server(engine_config: EngineConfig) -> Iterator[tuple[str, int]]:
     """(base url, vocabulary size) of a server started here on the engine configured."""
     from kvpool.engine.async_engine import AsyncLLMEngine
+    from kvpool.engine.cpu_threads import reserve_front_end_core
     from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.model_loading import resolve_device
     from kvpool.server.app import build_app
     from kvpool.server.background import BackgroundServer
     from kvpool.server.config import ServerConfig
 
+    reserve_front_end_core(engine_config.load.cpu_threads,
+                           resolve_device(engine_config.load.device))
     engine = AsyncLLMEngine(LLMEngine(engine_config))
     app = build_app(engine, ServerConfig(served_model_names=(SERVED_NAME,),
                                          max_concurrent_requests=None))

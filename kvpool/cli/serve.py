@@ -187,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvpool.engine.async_engine import AsyncLLMEngine
+    from kvpool.engine.cpu_threads import reserve_front_end_core
     from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.model_loading import resolve_device
     from kvpool.server.app import build_app
     from kvpool.server.graceful import GracefulServer
     from kvpool.server.startup import log_startup_summary
@@ -200,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"kvpool serve: {error}", file=sys.stderr)
         return 2
+    reserve_front_end_core(engine_config.load.cpu_threads,
+                           resolve_device(engine_config.load.device))
     engine = AsyncLLMEngine(LLMEngine(engine_config))
     app = build_app(engine, server_config)
     uvicorn_config = uvicorn.Config(

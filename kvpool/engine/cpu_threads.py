@@ -18,6 +18,13 @@ tensor parallelism each rank takes `cpu_threads`, or its share of the cores
 (`kvpool.engine.parallel.group.split_threads`); the other ranks are processes too, and would
 read as load.
 
+A server's model shares its process with the HTTP front end (the event loop, tokenizing,
+detokenizing). `reserve_front_end_core`, which `kvpool serve` calls before building its engine,
+lowers that ceiling by one core where the process may use `FRONT_END_MIN_CORES` or more, as
+vLLM's CPU backend keeps a core for its front end. On two cores a reserved core costs the
+model more than the front end gains: `kvpool bench serve` made 163 output tokens/s with one
+model thread against 240 with two (docs/cpu_decode.md), so there nothing is reserved.
+
 Invariant: 1 <= the governed thread count <= its ceiling, at every step.
 """
 
@@ -109,6 +116,22 @@ class ThreadGovernor:
         if threads != self.threads:
             self.set_threads(threads)
             self.threads = threads
+
+
+FRONT_END_MIN_CORES = 4  # below this many usable cores the model keeps them all
+
+
+def reserve_front_end_core(cpu_threads: int | None, device: torch.device) -> int | None:
+    """Keep one core for a server's front end (module docstring): the model's thread count
+    (the governor's ceiling) becomes at most the usable cores less one, where there are at
+    least `FRONT_END_MIN_CORES`, the device is the CPU and `cpu_threads` fixed no count.
+    Returns the new count, or None where nothing changed."""
+    cores = len(os.sched_getaffinity(0))
+    if cpu_threads is not None or device.type != "cpu" or cores < FRONT_END_MIN_CORES:
+        return None
+    threads = min(torch.get_num_threads(), cores - 1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def thread_policy(cpu_threads: int | None, device: torch.device) -> ThreadPolicy:

@@ -4,6 +4,7 @@ a property, and the real /proc reading beside a real busy process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from kvpool.engine.cpu_threads import (
     FixedThreads,
     OtherProcessLoad,
     ThreadGovernor,
+    reserve_front_end_core,
     thread_policy,
 )
 from kvpool.engine.engine import LLMEngine
@@ -149,3 +151,17 @@ def test_tensor_parallel_ranks_take_cpu_threads_when_given(torch_threads):
     before = torch.get_num_threads()
     assert split_threads(2, cpu_threads=3) == before
     assert torch.get_num_threads() == 3
+
+
+@pytest.mark.parametrize(("cores", "fixed", "device", "expected"), [
+    (8, None, "cpu", 7), (4, None, "cpu", 3), (2, None, "cpu", None), (8, 6, "cpu", None),
+    (8, None, "cuda", None),
+])
+def test_a_server_keeps_a_core_for_its_front_end_where_there_are_several(
+        monkeypatch, cores, fixed, device, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    assert reserve_front_end_core(fixed, torch.device(device)) == expected
+    assert set_to == ([] if expected is None else [expected])
