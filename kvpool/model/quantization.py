@@ -6,8 +6,9 @@ loaded model's weights are put into that form.
     "gguf"  a GGUF's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay
             as stored and are multiplied as they are; other quantized types are dequantized
             at load, with one warning naming them; float tensors stay float
-    "int8", "int4"  every matmul weight (the LM head and embedding too) quantized at load from
-            the float checkpoint: asymmetric, `group_size` weights a (scale, min)
+    "int8", "int4"  every matmul weight (the LM head and embedding too, at 8 bits under
+            int4) quantized at load from the float checkpoint: asymmetric, `group_size`
+            weights a (scale, min)
     "none"  every weight dequantized into the model's dtype at load
 
 Quantized weights run on the CPU (`kvpool.kernels.quant_matmul`); mixtures of experts keep
