@@ -11,6 +11,7 @@ is used), and None means the default model's shape. Under tensor parallelism eve
 
 from __future__ import annotations
 
+import ctypes
 import time
 from pathlib import Path
 
@@ -84,6 +85,18 @@ def make_loader(model: ModelSource, load_format: str = "auto", seed: int = 0,
     return SafetensorsLoader(path)
 
 
+def _return_freed_memory() -> None:
+    """Hand the loader's freed temporaries back to the OS (glibc keeps freed heap pages
+    otherwise): the raw blocks and unpacked codes of a quantized load are ~2.5x the weights
+    kept, and the bundled GGUF's process stayed 424 MB larger after loading where 196 MB is
+    what it holds."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)
+
+
 def _dummy_config(model: ModelSource) -> ModelConfig:
     if isinstance(model, ModelConfig):
         return model
@@ -129,6 +142,7 @@ def load_model(
     check_shapes(config, tp.size)
     llama = LlamaModel(config, attention_backend, resolve_dtype(dtype, device), device, tp)
     llama.load_weights(loader.iter_weights(config, device, tp), scheme)
+    _return_freed_memory()
     llama.pack_weights()
     llama.eval()
     tokenizer = loader.load_tokenizer()
