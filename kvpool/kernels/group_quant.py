@@ -53,11 +53,6 @@ class GroupQuantized:
     def group(self) -> int:
         return self.codes.shape[1] // self.scales.shape[1]
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes the packed form holds: codes at `bits` each, float16 scales and mins."""
-        return self.codes.numel() * self.bits // 8 + 4 * self.scales.numel()
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights, computed in float32 then cast. # [N, K]"""
         rows, cols = self.shape
