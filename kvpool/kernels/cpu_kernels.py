@@ -35,8 +35,8 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 CSRC_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.cpp", "fused_ops.cpp", "quant_matmul.cpp")
-HEADERS = ("kv_load.h",)
+SOURCES = ("paged_decode.cpp", "fused_ops.cpp", "quant_matmul.cpp", "dequant_matmul.cpp")
+HEADERS = ("kv_load.h", "quant_layout.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 # Linking with -fopenmp records libgomp.so.1, the soname of the libgomp torch ships and has
 # already loaded, so at::parallel_for runs on torch's own OpenMP pool, never a second one.

@@ -1,12 +1,20 @@
 """Matmuls over group-quantized weights as they are stored: `PackedWeight` (a `GroupQuantized`
-laid out for the kernel) and `quant_matmul` (the C++ kernel `csrc/quant_matmul.cpp` on the CPU;
-`quant_matmul_reference`, the same arithmetic in PyTorch, elsewhere and as its test oracle).
+laid out for the kernels) and `quant_matmul`, which runs one of two C++ kernels on the CPU and
+their PyTorch references elsewhere (the references are also the kernels' test oracles):
 
-The kernel quantizes the activations per token and weight group to int8 (scale = max|x| / 127,
-as llama.cpp does for its 4- and 8-bit types) and multiplies integer codes; the min term uses
-the exact float sum of each group of x. `csrc/quant_matmul.cpp` documents the layout: rows in
-panels of 16, each quad of k holding the panel's 16 rows × 4 codes together, so one vector
-load feeds an AVX-512 VNNI multiply-add whose lanes are output rows.
+- up to `DEQUANTIZED_FROM` tokens (decode), `csrc/quant_matmul.cpp`: the activations quantized
+  per token and weight group in two int8 passes (scale = max|x| / 127, as llama.cpp's for its
+  4- and 8-bit types; then each code's rounding error in 16ths of that step: ~12 bits, finer
+  than bfloat16's 8) and multiplied as integers by the weights' codes with AVX-512 VNNI; the
+  min term uses the exact float sum of each group of x. One int8 pass cost SmolLM2 +1.3%
+  perplexity in bfloat16, two cost +0.05% (docs/cpu_decode.md);
+- from `DEQUANTIZED_FROM` tokens (prefill), `csrc/dequant_matmul.cpp`: a tile of W at a time
+  dequantized into x's dtype and multiplied by torch's GEMM, so that a compute-bound matmul
+  runs at the float GEMM's speed with the dequantized model's accuracy.
+
+`csrc/quant_layout.h` documents the layout: rows in panels of 16, each quad of k holding the
+panel's 16 rows × 4 codes together, so one vector load feeds an AVX-512 VNNI multiply-add
+whose lanes are output rows.
 
 Measured here (SmolLM2-135M's 121 matmuls a step, `python -m benchmarks.weight_matmuls`):
 docs/cpu_decode.md.
@@ -24,6 +32,12 @@ from kvpool.kernels.cpu_kernels import cpu_kernels_available
 from kvpool.kernels.group_quant import GroupQuantized
 
 PANEL = 16  # output rows a panel
+RESIDUAL_STEPS = 16  # an activation is (code + residual / 16) steps of its group's scale
+MAX_GROUP = 512  # keeps the kernel's integer sums (16 · Σ code · x code) well within int32
+# Tokens from which a matmul dequantizes tiles instead: SmolLM2's 121 step matmuls on this
+# 2-core machine with bf16 activations took 54.6 ms (integer kernel) against 69.5 (dequantizing)
+# at 64 tokens, 110 against 114 at 128, 230 against 204 at 256 and 503 against 403 at 512.
+DEQUANTIZED_FROM = 128
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -59,8 +73,9 @@ class PackedWeight:
 def pack(weight: GroupQuantized) -> PackedWeight:
     """Lay `weight` out for the kernel. Its group must be a multiple of 8."""
     rows, cols = weight.shape
-    if weight.group % 8:
-        raise ValueError(f"the kernel takes groups that are multiples of 8, not {weight.group}")
+    if weight.group % 8 or weight.group > MAX_GROUP:
+        raise ValueError(f"the kernel takes groups that are multiples of 8 up to {MAX_GROUP}, "
+                         f"not {weight.group}")
     padding = -rows % PANEL
     codes, scales, mins = (F.pad(t, (0, 0, 0, padding)) for t in
                            (weight.codes, weight.scales, weight.mins))
@@ -98,25 +113,30 @@ def unpack(weight: PackedWeight, rows: torch.Tensor | None = None) -> GroupQuant
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
-    """The kernel's activation quantization: per token and group, scale = max|x| / 127, codes
-    round(x / scale) (ties to even), and the exact sum of the group. # codes [M, K] float32
-    (integers), scales [M, K/G], sums [M, K/G]"""
+    """The kernel's activation quantization: per token and group, scale = max|x| / 127; codes
+    round(x / scale) and residuals round((x / scale - code) · 16), ties to even; and the exact
+    sum of the group. # codes [M, K] float32 (integers), residuals [M, K] (integers in [-8, 8]),
+    scales [M, K/G], sums [M, K/G]"""
     grouped = x.float().reshape(x.shape[0], -1, group)
     scales = grouped.abs().amax(-1) / 127
     inverse = torch.where(scales > 0, 1 / scales, 0).unsqueeze(-1)
-    codes = torch.round(grouped * inverse)
-    return codes.reshape(x.shape), scales, grouped.sum(-1)
+    scaled = grouped * inverse
+    codes = torch.round(scaled)
+    residuals = torch.round((scaled - codes) * RESIDUAL_STEPS)
+    return codes.reshape(x.shape), residuals.reshape(x.shape), scales, grouped.sum(-1)
 
 
 def quant_matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """What the kernel computes, in PyTorch (float64 sums; the kernel's float32 ones differ in
     rounding only). # [M, K] -> [M, rows], x's dtype"""
     plain = unpack(weight)
-    x_codes, x_scales, x_sums = (t.double() for t in quantize_activations(x, weight.group))
+    codes, residuals, x_scales, x_sums = (t.double() for t in
+                                          quantize_activations(x, weight.group))
+    x_steps = codes * RESIDUAL_STEPS + residuals  # the activations in 16ths of their step
     groups = weight.cols // weight.group
     w_codes = plain.codes.double().reshape(weight.rows, groups, weight.group)
-    dots = torch.einsum("mgk,ngk->mng", x_codes.reshape(x.shape[0], groups, -1), w_codes)
-    scaled = dots * plain.scales.double() * x_scales.unsqueeze(1)
+    dots = torch.einsum("mgk,ngk->mng", x_steps.reshape(x.shape[0], groups, -1), w_codes)
+    scaled = dots * plain.scales.double() * (x_scales / RESIDUAL_STEPS).unsqueeze(1)
     shifted = plain.mins.double() * x_sums.unsqueeze(1)
     return (scaled + shifted).sum(-1).to(x.dtype)
 
@@ -131,12 +151,26 @@ def is_served(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _ACTIVATION_DTYPES and _kernels_loaded()
 
 
+def dequant_matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """What the dequantizing kernel computes: x times W dequantized into x's dtype. # [M, K] ->
+    [M, rows], x's dtype"""
+    return x @ unpack(weight).dequantize().to(x.dtype).T
+
+
+def dequantizes(num_tokens: int) -> bool:
+    """Whether a matmul of `num_tokens` tokens takes the dequantizing kernel."""
+    return num_tokens >= DEQUANTIZED_FROM
+
+
 def quant_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """x Wᵀ for `x` `[M, cols]` (any leading dimensions flattened). # [..., rows]"""
     flat = x.reshape(-1, weight.cols)
+    dequantize = dequantizes(flat.shape[0])
     if is_served(flat):
-        out = torch.ops.kvpool_cpu.quant_matmul(flat.contiguous(), weight.data, weight.bits,
-                                                weight.group, weight.rows)
+        kernel = (torch.ops.kvpool_cpu.dequant_matmul if dequantize
+                  else torch.ops.kvpool_cpu.quant_matmul)
+        out = kernel(flat.contiguous(), weight.data, weight.bits, weight.group, weight.rows)
     else:
-        out = quant_matmul_reference(flat, weight)
+        reference = dequant_matmul_reference if dequantize else quant_matmul_reference
+        out = reference(flat, weight)
     return out.reshape(*x.shape[:-1], weight.rows)

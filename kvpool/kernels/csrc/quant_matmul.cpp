@@ -6,30 +6,31 @@
 //       -> [M, N] (x's dtype)
 //
 // The activations are quantized on entry, per token and per weight group (the group of x
-// matches W's, so one x scale holds across each integer dot product):
-//   xs[g] = max|x[g]| / 127,  xq = round(x / xs) int8,  xsum[g] = Σ x[g] (exact, float)
-//   y[n] = Σ_g  scale[n,g] · xs[g] · Σ_{k∈g} code[n,k] · xq[k]  +  min[n,g] · xsum[g]
+// matches W's, so one x scale holds across each integer dot product), in two int8 passes: a
+// code and its rounding error in 16ths of a step:
+//   xs[g] = max|x[g]| / 127,  xq = round(x / xs),  xr = round((x / xs - xq) · 16)
+//   x ≈ xs · (xq + xr / 16)      (~12 bits; bfloat16 itself keeps 8)
+//   y[n] = Σ_g  scale[n,g] · xs[g] / 16 · Σ_{k∈g} code[n,k] · (16 · xq[k] + xr[k])
+//          + min[n,g] · Σ x[g]   (the exact float sum of the group)
 // so the inner loop is integer multiply-adds of unsigned codes by signed activations: AVX-512
-// VNNI's vpdpbusd, 64 of them an instruction. The integer sum of a group is exact; the float
-// sum over groups runs in a fixed order, so results do not depend on the thread count.
+// VNNI's vpdpbusd, 64 of them an instruction, once for xq (by 16 · code: a 4-bit code's fits
+// a byte) and once for xr, into the same sum. xq alone, one pass, cost SmolLM2 +1.3%
+// perplexity in bfloat16 against +0.05% for both (docs/cpu_decode.md); it was also 1.6× faster
+// from 32 tokens up, where this kernel now runs at about bfloat16 oneDNN's speed. The integer
+// sum of a group is exact (|16 · Σ code · xq| < 2³¹ for groups up to 512); the float sum over
+// groups runs in a fixed order, so results do not depend on the thread count.
 //
-// Layout (`kvpool.kernels.quant_matmul.pack` writes it): rows in panels of 16 (N padded with
-// zero rows); each panel a run of groups, each group one block of its codes followed by its
-// float16 scales and mins:
-//   block(p, g) = codes | scales[16] | mins[16]      G·16·bits/8 + 64 bytes
-//   codes, 8-bit: [k/4][n%16][k%4]  (k within the group)
-//   codes, 4-bit: [k/8][j], j = (n%16)·4 + k%4: the low nibble holds k/8·8 + k%4, the high
-//                 nibble k/8·8 + 4 + k%4
-// One 512-bit load is then the 16 rows × 4 k that vpdpbusd multiplies by 4 broadcast bytes of
-// x: lanes are output rows, so no horizontal sum is ever needed. And a panel is one sequential
-// stream, scales included: with codes and scales in separate arrays a tile read a dozen streams
-// and reached a third of the bandwidth one stream does on this machine's cold weights.
+// The layout is `quant_layout.h`'s: one 512-bit load is the 16 rows × 4 k that vpdpbusd
+// multiplies by 4 broadcast bytes of x, so lanes are output rows and no horizontal sum is ever
+// needed; and a panel is one sequential stream, scales included (with codes and scales in
+// separate arrays a tile read a dozen streams and reached a third of the bandwidth one stream
+// does on this machine's cold weights).
 //
-// A tile of up to 4 tokens × 2 panels shares each unpacked weight vector, so at larger batches
-// the kernel reuses W from cache; a single token reads one panel at a time, so that each
-// thread streams one run of memory (software prefetching, 256 B to 4 KiB ahead, changed
-// nothing measurable). Work is split over panels with at::parallel_for (torch's OpenMP pool).
-// Without VNNI the same arithmetic runs as scalar C++.
+// A tile is up to 8 tokens × one panel: each unpacked weight vector serves 8 tokens, and each
+// thread streams one run of memory (software prefetching, 256 B to 4 KiB ahead, changed nothing
+// measurable; a tile of 8 tokens × 2 panels ran out of registers). Work is split over panels
+// with at::parallel_for (torch's OpenMP pool). Without VNNI the same arithmetic runs as scalar
+// C++ (`tests/kernels/test_quant_matmul_scalar.py` builds and checks it).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,10 +40,13 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "quant_layout.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -51,14 +55,24 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;        // rows a panel
-constexpr int64_t kPanelsPerTile = 2;  // 32 rows a tile
-constexpr int64_t kTokensPerTile = 4;
-constexpr int64_t kActivationBytes = 256 << 10;  // int8 activations a token chunk holds
+using kvpool_quant::code_at;
+using kvpool_quant::half_at;
+using kvpool_quant::kPanel;
+using kvpool_quant::PackedLayout;
 
-// The activations, quantized per token and group.
+constexpr int64_t kPanelsPerTile = 1;  // 16 rows a tile
+constexpr int64_t kTokensPerTile = 8;
+constexpr int64_t kActivationBytes = 256 << 10;  // int8 activations a token chunk holds
+constexpr int kResidualShift = 4;  // a residual counts 1 / 2⁴ of a code step: |xr| <= 8
+constexpr int64_t kMaxGroup = 512;  // keeps 16 · Σ code · xq well within int32
+
+// The activations, quantized per token and group. `packed` keeps each 8 k of all tokens
+// together, token after token: the 8 codes, then the 8 residuals. A tile's tokens are then
+// constant offsets from one pointer (with a pointer per token and pass, 8 tokens ran out of
+// registers and spilled addresses in the inner loop).
+constexpr int64_t kChunk = 8;  // k a packed chunk holds
 struct QuantizedActivations {
-  at::Tensor codes;  // int8 [M, K]
+  at::Tensor packed;  // int8 [K/8, M, 16]
   at::Tensor scales;  // float32 [M, K/G]
   at::Tensor sums;   // float32 [M, K/G]
 };
@@ -70,9 +84,17 @@ struct QuantizedActivations {
 
 KVPOOL_IEEE inline float inverse_of(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
 
+// x / xs as a code and a residual. scaled - code is exact (the two are within a factor of two,
+// or code is 0) and so is the power-of-two product, so the rounding matches the reference's.
+KVPOOL_IEEE inline void split(float scaled, int8_t* code, int8_t* residual) {
+  const float rounded = std::nearbyint(scaled);
+  *code = static_cast<int8_t>(rounded);
+  *residual = static_cast<int8_t>(std::nearbyint((scaled - rounded) * (1 << kResidualShift)));
+}
+
 template <typename T>
-KVPOOL_IEEE void quantize_group(const T* x, int64_t group, int8_t* codes, float* scale,
-                                float* sum) {
+KVPOOL_IEEE void quantize_group(const T* x, int64_t group, int8_t* codes, int8_t* residuals,
+                                float* scale, float* sum) {
   float amax = 0.0f, total = 0.0f;
   for (int64_t k = 0; k < group; ++k) {
     const float value = static_cast<float>(x[k]);
@@ -83,7 +105,7 @@ KVPOOL_IEEE void quantize_group(const T* x, int64_t group, int8_t* codes, float*
   *sum = total;
   const float inverse = inverse_of(*scale);
   for (int64_t k = 0; k < group; ++k)
-    codes[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[k]) * inverse));
+    split(static_cast<float>(x[k]) * inverse, codes + k, residuals + k);
 }
 
 #ifdef KVPOOL_VNNI
@@ -96,8 +118,8 @@ inline __m512 load_floats(const at::BFloat16* x) {
 }
 
 template <typename T>
-KVPOOL_IEEE void quantize_group_vector(const T* x, int64_t group, int8_t* codes, float* scale,
-                                       float* sum) {
+KVPOOL_IEEE void quantize_group_vector(const T* x, int64_t group, int8_t* codes,
+                                       int8_t* residuals, float* scale, float* sum) {
   __m512 amax = _mm512_setzero_ps(), total = _mm512_setzero_ps();
   for (int64_t k = 0; k < group; k += 16) {
     const __m512 value = load_floats(x + k);
@@ -108,59 +130,70 @@ KVPOOL_IEEE void quantize_group_vector(const T* x, int64_t group, int8_t* codes,
   *sum = _mm512_reduce_add_ps(total);
   const __m512 inverse = _mm512_set1_ps(inverse_of(*scale));
   for (int64_t k = 0; k < group; k += 16) {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ties to even
     const __m512 scaled = _mm512_mul_ps(load_floats(x + k), inverse);
-    const __m512i rounded = _mm512_cvtps_epi32(  // ties to even, as nearbyint
-        _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), _mm512_cvtsepi32_epi8(rounded));
+    const __m512 rounded = _mm512_roundscale_ps(scaled, kNearest);
+    const __m512 residual = _mm512_roundscale_ps(
+        _mm512_mul_ps(_mm512_sub_ps(scaled, rounded), _mm512_set1_ps(1 << kResidualShift)),
+        kNearest);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rounded)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(residuals + k),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(residual)));
   }
 }
 #endif
 
 template <typename T>
-void quantize_row(const T* x, int64_t cols, int64_t group, int8_t* codes, float* scales,
-                  float* sums) {
+void quantize_row(const T* x, int64_t cols, int64_t group, int8_t* codes, int8_t* residuals,
+                  float* scales, float* sums) {
   for (int64_t start = 0, g = 0; start < cols; start += group, ++g) {
 #ifdef KVPOOL_VNNI
     if (group % 16 == 0) {
-      quantize_group_vector(x + start, group, codes + start, scales + g, sums + g);
+      quantize_group_vector(x + start, group, codes + start, residuals + start, scales + g,
+                            sums + g);
       continue;
     }
 #endif
-    quantize_group(x + start, group, codes + start, scales + g, sums + g);
+    quantize_group(x + start, group, codes + start, residuals + start, scales + g, sums + g);
   }
 }
 
 template <typename T>
 QuantizedActivations quantize_activations(const at::Tensor& x, int64_t group) {
   const int64_t rows = x.size(0), cols = x.size(1), groups = cols / group;
-  QuantizedActivations q{at::empty({rows, cols}, x.options().dtype(at::kChar)),
+  QuantizedActivations q{at::empty({cols / kChunk, rows, 2 * kChunk}, x.options().dtype(at::kChar)),
                          at::empty({rows, groups}, x.options().dtype(at::kFloat)),
                          at::empty({rows, groups}, x.options().dtype(at::kFloat))};
   const T* data = x.data_ptr<T>();
   const int64_t stride = x.stride(0);
-  int8_t* codes = q.codes.data_ptr<int8_t>();
+  int8_t* packed = q.packed.data_ptr<int8_t>();
   float* scales = q.scales.data_ptr<float>();
   float* sums = q.sums.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / cols), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row(data + m * stride, cols, group, codes + m * cols, scales + m * groups,
-                   sums + m * groups);
+    std::vector<int8_t> codes(cols), residuals(cols);  // one row's, before packing
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_row(data + m * stride, cols, group, codes.data(), residuals.data(),
+                   scales + m * groups, sums + m * groups);
+      for (int64_t chunk = 0; chunk < cols / kChunk; ++chunk) {
+        int8_t* at = packed + (chunk * rows + m) * 2 * kChunk;
+        std::memcpy(at, codes.data() + chunk * kChunk, kChunk);
+        std::memcpy(at + kChunk, residuals.data() + chunk * kChunk, kChunk);
+      }
+    }
   });
   return q;
 }
 
 // Where a tile reads and writes: the weights of its panels and its tokens' activations.
-struct Operands {
-  const uint8_t* data;
-  const int8_t* x_codes;
+struct Operands : PackedLayout {
+  const int8_t* x_packed;
   const float* x_scales;
   const float* x_sums;
-  int64_t cols, group, rows;  // K, G, N (unpadded)
-  int64_t code_bytes;         // a block's codes: G·16·bits/8
-  int64_t groups() const { return cols / group; }
-  int64_t block_bytes() const { return code_bytes + 4 * kPanel; }
-  const uint8_t* block(int64_t panel, int64_t g) const {
-    return data + (panel * groups() + g) * block_bytes();
+  int64_t tokens;  // M
+  // The packed codes and residuals of `token` for the 8 k from k (a multiple of 8).
+  const int8_t* x_chunk(int64_t k, int64_t token) const {
+    return x_packed + ((k / kChunk) * tokens + token) * 2 * kChunk;
   }
 };
 
@@ -171,19 +204,22 @@ void store_row(Out* out, const float* values, int64_t count) {
 
 #ifdef KVPOOL_VNNI
 
-// The 16 rows × 8 k of codes at k (a multiple of 8) in one panel, as two vectors of 16 rows ×
-// 4 k: quad k/4 and quad k/4 + 1.
+// The 16 rows × 8 k of codes at k (a multiple of 8) in one panel, as vectors of 16 rows × 4 k
+// (quads k/4 and k/4 + 1), each as the codes' pass multiplies it (`codes`: 16 · code for 4-bit
+// codes, code for 8-bit ones) and as the residuals' pass does (`plain`: code).
 template <int Bits>
-inline void load_codes(const uint8_t* block, int64_t k, __m512i& first, __m512i& second) {
+inline void load_codes(const uint8_t* block, int64_t k, __m512i codes[2], __m512i plain[2]) {
   const uint8_t* at = block + k * Bits * 2;
   if constexpr (Bits == 4) {
     const __m512i packed = _mm512_loadu_si512(at);
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    first = _mm512_and_si512(packed, low_nibbles);
-    second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+    plain[0] = _mm512_and_si512(packed, low);
+    plain[1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    codes[0] = _mm512_and_si512(_mm512_slli_epi16(packed, 4), high);
+    codes[1] = _mm512_and_si512(packed, high);
   } else {
-    first = _mm512_loadu_si512(at);
-    second = _mm512_loadu_si512(at + 64);
+    codes[0] = plain[0] = _mm512_loadu_si512(at);
+    codes[1] = plain[1] = _mm512_loadu_si512(at + 64);
   }
 }
 
@@ -191,55 +227,64 @@ inline __m512 load_halves(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-inline int32_t four_codes(const int8_t* x) {
-  int32_t value;
-  std::memcpy(&value, x, sizeof(value));
-  return value;
+// sum += codes · the four int8 activations at x, broadcast to every lane. (Written in assembly
+// with the broadcast folded into vpdpbusd's memory operand it measured the same.)
+using unaligned_int32 = int32_t __attribute__((may_alias, aligned(1)));
+inline void dot_four(__m512i& sum, __m512i codes, const int8_t* x) {
+  sum = _mm512_dpbusd_epi32(sum, codes,
+                            _mm512_set1_epi32(*reinterpret_cast<const unaligned_int32*>(x)));
 }
 
 // One tile: T tokens (from `token`) × R panels (from `panel`), written to out rows.
 template <int Bits, int T, int R, typename Out>
 void tile(const Operands& op, int64_t panel, int64_t token, Out* out, int64_t out_stride) {
   const int64_t groups = op.groups();
-  // A single token gives each row's sum its own two chains (even and odd quads): vpdpbusd's
-  // latency, not the memory bus, would otherwise bound a batch-1 step.
-  constexpr int S = T == 1 ? 2 : 1;
+  // Each row's sum of a group, in residual steps: Σ code · (16 · xq + xr). 16 · a 4-bit code
+  // fits a byte, so both passes add into one sum; 8-bit codes keep the codes' pass apart and
+  // shift it at the end. A single token splits each pass into two chains (even and odd
+  // quads): vpdpbusd's latency, not the memory bus, would otherwise bound a batch-1 step.
+  constexpr int S = T == 1 ? 2 : 1;                    // chains a pass
+  constexpr int P = Bits == 4 && T > 1 ? 1 : 2;         // passes summed apart
+  constexpr int kResidualChain = (P - 1) * S;           // the residuals' pass's first chain
   __m512 acc[T][R];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[S][T][R];
-    for (int c = 0; c < S; ++c)
+    __m512i sum[S * P][T][R];
+    for (int c = 0; c < S * P; ++c)
       for (int t = 0; t < T; ++t)
-        for (int r = 0; r < R; ++r) dot[c][t][r] = _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) sum[c][t][r] = _mm512_setzero_si512();
     const uint8_t* block[R];
     for (int r = 0; r < R; ++r) block[r] = op.block(panel + r, g);
     for (int64_t k = 0; k < op.group; k += 8) {
-      __m512i first[R], second[R];
-      for (int r = 0; r < R; ++r) load_codes<Bits>(block[r], k, first[r], second[r]);
+      __m512i codes[R][2], plain[R][2];
+      for (int r = 0; r < R; ++r) load_codes<Bits>(block[r], k, codes[r], plain[r]);
+      const int8_t* chunk = op.x_chunk(g * op.group + k, token);
       for (int t = 0; t < T; ++t) {
-        const int8_t* x = op.x_codes + (token + t) * op.cols + g * op.group + k;
-        const __m512i x_first = _mm512_set1_epi32(four_codes(x));
-        const __m512i x_second = _mm512_set1_epi32(four_codes(x + 4));
-        for (int r = 0; r < R; ++r) {
-          dot[0][t][r] = _mm512_dpbusd_epi32(dot[0][t][r], first[r], x_first);
-          dot[S - 1][t][r] = _mm512_dpbusd_epi32(dot[S - 1][t][r], second[r], x_second);
-        }
+        const int8_t* at = chunk + t * 2 * kChunk;
+        for (int q = 0; q < 2; ++q)  // the two quads
+          for (int r = 0; r < R; ++r) {
+            dot_four(sum[q * (S - 1)][t][r], codes[r][q], at + 4 * q);
+            dot_four(sum[kResidualChain + q * (S - 1)][t][r], plain[r][q], at + kChunk + 4 * q);
+          }
       }
     }
-    if constexpr (S == 2)
-      for (int r = 0; r < R; ++r) dot[0][0][r] = _mm512_add_epi32(dot[0][0][r], dot[1][0][r]);
     __m512 scale[R], min[R];
     for (int r = 0; r < R; ++r) {
       scale[r] = load_halves(block[r] + op.code_bytes);
       min[r] = load_halves(block[r] + op.code_bytes + 2 * kPanel);
     }
     for (int t = 0; t < T; ++t) {
-      const __m512 x_scale = _mm512_set1_ps(op.x_scales[(token + t) * groups + g]);
+      const __m512 x_step = _mm512_set1_ps(op.x_scales[(token + t) * groups + g] *
+                                           (1.0f / (1 << kResidualShift)));
       const __m512 x_sum = _mm512_set1_ps(op.x_sums[(token + t) * groups + g]);
       for (int r = 0; r < R; ++r) {
-        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0][t][r]),
-                                    _mm512_mul_ps(scale[r], x_scale), acc[t][r]);
+        __m512i codes = sum[0][t][r];
+        for (int c = 1; c < S; ++c) codes = _mm512_add_epi32(codes, sum[c][t][r]);
+        if constexpr (Bits == 8) codes = _mm512_slli_epi32(codes, kResidualShift);
+        for (int c = S; c < S * P; ++c) codes = _mm512_add_epi32(codes, sum[c][t][r]);
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), _mm512_mul_ps(scale[r], x_step),
+                                    acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(min[r], x_sum, acc[t][r]);
       }
     }
@@ -254,19 +299,18 @@ void tile(const Operands& op, int64_t panel, int64_t token, Out* out, int64_t ou
     }
 }
 
-// Tokens [begin, end) through R panels, 4 tokens a tile.
+// Tokens [begin, end) through R panels, 8 tokens a tile, then 4, 2 and 1.
 template <int Bits, int R, typename Out>
 void tokens(const Operands& op, int64_t panel, int64_t begin, int64_t end, Out* out,
             int64_t stride) {
+  static_assert(kTokensPerTile == 8, "the remainder below is split into 4, 2 and 1");
   int64_t token = begin;
   for (; token + kTokensPerTile <= end; token += kTokensPerTile)
     tile<Bits, kTokensPerTile, R>(op, panel, token, out, stride);
-  switch (end - token) {
-    case 3: tile<Bits, 3, R>(op, panel, token, out, stride); break;
-    case 2: tile<Bits, 2, R>(op, panel, token, out, stride); break;
-    case 1: tile<Bits, 1, R>(op, panel, token, out, stride); break;
-    default: break;
-  }
+  const int64_t left = end - token;
+  if (left & 4) tile<Bits, 4, R>(op, panel, token, out, stride), token += 4;
+  if (left & 2) tile<Bits, 2, R>(op, panel, token, out, stride), token += 2;
+  if (left & 1) tile<Bits, 1, R>(op, panel, token, out, stride);
 }
 
 // Panels [begin, end) × tokens [token_begin, token_end).
@@ -285,23 +329,6 @@ void panels(const Operands& op, int64_t begin, int64_t end, int64_t token_begin,
 
 #else  // the same arithmetic, scalar
 
-// The code of row `lane` at k (within the group) in a block.
-template <int Bits>
-inline int code_at(const uint8_t* block, int64_t lane, int64_t k) {
-  if constexpr (Bits == 4) {
-    const uint8_t byte = block[(k / 8) * 64 + lane * 4 + k % 4];
-    return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
-  } else {
-    return block[(k / 4) * 64 + lane * 4 + k % 4];
-  }
-}
-
-inline float half_at(const uint8_t* at, int64_t lane) {
-  at::Half value;
-  std::memcpy(&value, at + 2 * lane, sizeof(value));
-  return static_cast<float>(value);
-}
-
 template <int Bits, typename Out>
 void panels(const Operands& op, int64_t begin, int64_t end, int64_t token_begin,
             int64_t token_end, Out* out, int64_t stride) {
@@ -309,16 +336,18 @@ void panels(const Operands& op, int64_t begin, int64_t end, int64_t token_begin,
   float values[kPanel];
   for (int64_t panel = begin; panel < end; ++panel)
     for (int64_t m = token_begin; m < token_end; ++m) {
-      const int8_t* x = op.x_codes + m * op.cols;
       for (int64_t lane = 0; lane < kPanel; ++lane) {
         float acc = 0.0f;
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* block = op.block(panel, g);
-          int32_t dot = 0;
-          for (int64_t k = 0; k < op.group; ++k)
-            dot += code_at<Bits>(block, lane, k) * x[g * op.group + k];
-          const float scale = half_at(block + op.code_bytes, lane);
-          acc += static_cast<float>(dot) * (scale * op.x_scales[m * groups + g]);
+          int32_t steps = 0;
+          for (int64_t k = g * op.group; k < (g + 1) * op.group; ++k) {
+            const int8_t* chunk = op.x_chunk(k, m);
+            steps += code_at<Bits>(block, lane, k - g * op.group) *
+                     (chunk[k % kChunk] * (1 << kResidualShift) + chunk[kChunk + k % kChunk]);
+          }
+          const float x_step = op.x_scales[m * groups + g] * (1.0f / (1 << kResidualShift));
+          acc += static_cast<float>(steps) * (half_at(block + op.code_bytes, lane) * x_step);
           acc += half_at(block + op.code_bytes + 2 * kPanel, lane) * op.x_sums[m * groups + g];
         }
         values[lane] = acc;
@@ -336,9 +365,9 @@ at::Tensor matmul_typed(const at::Tensor& x, const at::Tensor& data, int64_t bit
   const QuantizedActivations q = quantize_activations<T>(x, group);
   const int64_t num_tokens = x.size(0);
   at::Tensor out = at::empty({num_tokens, rows}, x.options());
-  const Operands op{data.data_ptr<uint8_t>(), q.codes.data_ptr<int8_t>(),
-                    q.scales.data_ptr<float>(), q.sums.data_ptr<float>(),
-                    x.size(1), group, rows, group * kPanel * bits / 8};
+  const Operands op{{data.data_ptr<uint8_t>(), x.size(1), group, rows, group * kPanel * bits / 8},
+                    q.packed.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
+                    q.sums.data_ptr<float>(), num_tokens};
   T* out_data = out.data_ptr<T>();
   const int64_t num_panels = (rows + kPanel - 1) / kPanel;
   const int64_t num_tiles = (num_panels + kPanelsPerTile - 1) / kPanelsPerTile;
@@ -365,7 +394,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, int64_t bit
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dimension");
   const int64_t cols = x.size(1);
-  TORCH_CHECK(group % 8 == 0 && cols % group == 0, "the group must be a multiple of 8 dividing K");
+  TORCH_CHECK(group % 8 == 0 && group <= kMaxGroup && cols % group == 0,
+              "the group must be a multiple of 8, at most ", kMaxGroup, ", dividing K");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be uint8");
   const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
   const int64_t block_bytes = group * kPanel * bits / 8 + 4 * kPanel;

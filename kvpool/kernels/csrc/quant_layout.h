@@ -1,0 +1,52 @@
+// The packed layout of group-quantized weights (`kvpool.kernels.quant_matmul.pack` writes it),
+// as the kernels that read it see it: rows in panels of 16 (N padded with zero rows), each
+// panel a run of groups, each group one block of its codes followed by its float16 scales and
+// mins:
+//   block(p, g) = codes | scales[16] | mins[16]      G·16·bits/8 + 64 bytes
+//   codes, 8-bit: [k/4][n%16][k%4]  (k within the group)
+//   codes, 4-bit: [k/8][j], j = (n%16)·4 + k%4: the low nibble holds k/8·8 + k%4, the high
+//                 nibble k/8·8 + 4 + k%4
+// A weight is code · scale + min.
+
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvpool_quant {
+
+constexpr int64_t kPanel = 16;  // rows a panel
+
+struct PackedLayout {
+  const uint8_t* data;
+  int64_t cols, group, rows;  // K, G, N (unpadded)
+  int64_t code_bytes;         // a block's codes: G·16·bits/8
+  int64_t groups() const { return cols / group; }
+  int64_t panels() const { return (rows + kPanel - 1) / kPanel; }
+  int64_t block_bytes() const { return code_bytes + 4 * kPanel; }
+  const uint8_t* block(int64_t panel, int64_t g) const {
+    return data + (panel * groups() + g) * block_bytes();
+  }
+};
+
+// The code of row `lane` at k (within the group) in a block.
+template <int Bits>
+inline int code_at(const uint8_t* block, int64_t lane, int64_t k) {
+  if constexpr (Bits == 4) {
+    const uint8_t byte = block[(k / 8) * 64 + lane * 4 + k % 4];
+    return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+  } else {
+    return block[(k / 4) * 64 + lane * 4 + k % 4];
+  }
+}
+
+// The float16 at `lane` of the 16 that start at `at` (a block's scales or mins).
+inline float half_at(const uint8_t* at, int64_t lane) {
+  at::Half value;
+  std::memcpy(&value, at + 2 * lane, sizeof(value));
+  return static_cast<float>(value);
+}
+
+}  // namespace kvpool_quant
