@@ -2,7 +2,7 @@
 laid out for the kernels) and `quant_matmul`, which runs one of two C++ kernels on the CPU and
 their PyTorch references elsewhere (the references are also the kernels' test oracles):
 
-- up to `DEQUANTIZED_FROM` tokens (decode), `csrc/quant_matmul.cpp`: the activations quantized
+- below `DEQUANTIZED_FROM` tokens (decode), `csrc/quant_matmul.cpp`: the activations quantized
   per token and weight group in two int8 passes (scale = max|x| / 127, as llama.cpp's for its
   4- and 8-bit types; then each code's rounding error in 16ths of that step: ~12 bits, finer
   than bfloat16's 8) and multiplied as integers by the weights' codes with AVX-512 VNNI; the
@@ -23,6 +23,7 @@ docs/cpu_decode.md.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,19 @@ MAX_GROUP = 512  # keeps the kernel's integer sums (16 · Σ code · x code) wel
 # Tokens from which a matmul dequantizes tiles instead: SmolLM2's 121 step matmuls on this
 # 2-core machine with bf16 activations took 54.6 ms (integer kernel) against 69.5 (dequantizing)
 # at 64 tokens, 110 against 114 at 128, 230 against 204 at 256 and 503 against 403 at 512.
-DEQUANTIZED_FROM = 128
+# `KVPOOL_DEQUANTIZED_FROM=N` moves the switch, to measure one kernel alone (a huge N keeps every
+# matmul, prefill included, on the integer kernel: docs/cpu_decode.md's accuracy table).
+DEFAULT_DEQUANTIZED_FROM = 128
+
+
+def _dequantized_from() -> int:
+    value = os.environ.get("KVPOOL_DEQUANTIZED_FROM", str(DEFAULT_DEQUANTIZED_FROM))
+    if not value.isdigit():
+        raise ValueError(f"KVPOOL_DEQUANTIZED_FROM must be a number of tokens, not {value!r}")
+    return int(value)
+
+
+DEQUANTIZED_FROM = _dequantized_from()
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 

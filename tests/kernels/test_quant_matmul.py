@@ -4,6 +4,10 @@ x Wᵀ up to the activations' rounding (an exact bound)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -109,6 +113,15 @@ def test_the_dequantizing_kernel_runs_in_inference_mode():
     with torch.inference_mode():
         x = torch.randn(DEQUANTIZED_FROM, 64)
         torch.testing.assert_close(quant_matmul(x, packed), dequant_matmul_reference(x, packed))
+
+
+@pytest.mark.parametrize("value, expected", [("1000000", "False"), ("7", "True"),
+                                             ("lots", "must be a number of tokens, not 'lots'")])
+def test_the_threshold_can_be_moved_for_measurements(value, expected):
+    code = "from kvpool.kernels.quant_matmul import dequantizes; print(dequantizes(200))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "KVPOOL_DEQUANTIZED_FROM": value}, timeout=300)
+    assert expected in result.stdout + result.stderr
 
 
 def test_the_kernels_split_at_the_threshold():
