@@ -10,6 +10,8 @@
 
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -30,6 +32,21 @@ struct PackedLayout {
     return data + (panel * groups() + g) * block_bytes();
   }
 };
+
+// The layout of `data`, `rows` weights of `cols` in `bits`-bit codes and groups of `group`, for
+// activations `x` [M, cols]; refuses what the kernels cannot read.
+inline PackedLayout checked_layout(const at::Tensor& x, const at::Tensor& data, int64_t bits,
+                                   int64_t group, int64_t rows) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dimension");
+  const int64_t cols = x.size(1);
+  TORCH_CHECK(group % 8 == 0 && cols % group == 0, "the group must be a multiple of 8 dividing K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be uint8");
+  const PackedLayout w{data.data_ptr<uint8_t>(), cols, group, rows, group * kPanel * bits / 8};
+  TORCH_CHECK(data.numel() == w.panels() * w.groups() * w.block_bytes(), "data does not hold ",
+              rows, " rows of ", cols, " ", bits, "-bit codes in groups of ", group);
+  return w;
+}
 
 // The code of row `lane` at k (within the group) in a block.
 template <int Bits>

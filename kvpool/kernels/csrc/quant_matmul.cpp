@@ -279,11 +279,11 @@ void tile(const Operands& op, int64_t panel, int64_t token, Out* out, int64_t ou
                                            (1.0f / (1 << kResidualShift)));
       const __m512 x_sum = _mm512_set1_ps(op.x_sums[(token + t) * groups + g]);
       for (int r = 0; r < R; ++r) {
-        __m512i codes = sum[0][t][r];
-        for (int c = 1; c < S; ++c) codes = _mm512_add_epi32(codes, sum[c][t][r]);
-        if constexpr (Bits == 8) codes = _mm512_slli_epi32(codes, kResidualShift);
-        for (int c = S; c < S * P; ++c) codes = _mm512_add_epi32(codes, sum[c][t][r]);
-        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), _mm512_mul_ps(scale[r], x_step),
+        __m512i steps = sum[0][t][r];  // Σ code · (16 · xq + xr)
+        for (int c = 1; c < S; ++c) steps = _mm512_add_epi32(steps, sum[c][t][r]);
+        if constexpr (Bits == 8) steps = _mm512_slli_epi32(steps, kResidualShift);
+        for (int c = S; c < S * P; ++c) steps = _mm512_add_epi32(steps, sum[c][t][r]);
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(steps), _mm512_mul_ps(scale[r], x_step),
                                     acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(min[r], x_sum, acc[t][r]);
       }
@@ -360,16 +360,14 @@ void panels(const Operands& op, int64_t begin, int64_t end, int64_t token_begin,
 #endif
 
 template <typename T>
-at::Tensor matmul_typed(const at::Tensor& x, const at::Tensor& data, int64_t bits, int64_t group,
-                        int64_t rows) {
-  const QuantizedActivations q = quantize_activations<T>(x, group);
-  const int64_t num_tokens = x.size(0);
+at::Tensor matmul_typed(const at::Tensor& x, const PackedLayout& w, int64_t bits) {
+  const QuantizedActivations q = quantize_activations<T>(x, w.group);
+  const int64_t num_tokens = x.size(0), rows = w.rows;
   at::Tensor out = at::empty({num_tokens, rows}, x.options());
-  const Operands op{{data.data_ptr<uint8_t>(), x.size(1), group, rows, group * kPanel * bits / 8},
-                    q.packed.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
+  const Operands op{w, q.packed.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
                     q.sums.data_ptr<float>(), num_tokens};
   T* out_data = out.data_ptr<T>();
-  const int64_t num_panels = (rows + kPanel - 1) / kPanel;
+  const int64_t num_panels = w.panels();
   const int64_t num_tiles = (num_panels + kPanelsPerTile - 1) / kPanelsPerTile;
   // Tokens in chunks whose int8 activations stay in L2 while a thread's panels pass over them
   // (the whole batch, up to kActivationBytes): a prefill's 512 × 1536 activations did not,
@@ -391,20 +389,11 @@ at::Tensor matmul_typed(const at::Tensor& x, const at::Tensor& data, int64_t bit
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, int64_t bits, int64_t group,
                         int64_t out_features) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dimension");
-  const int64_t cols = x.size(1);
-  TORCH_CHECK(group % 8 == 0 && group <= kMaxGroup && cols % group == 0,
-              "the group must be a multiple of 8, at most ", kMaxGroup, ", dividing K");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be uint8");
-  const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
-  const int64_t block_bytes = group * kPanel * bits / 8 + 4 * kPanel;
-  TORCH_CHECK(data.numel() == num_panels * (cols / group) * block_bytes,
-              "data does not hold ", out_features, " rows of ", cols, " ", bits,
-              "-bit codes in groups of ", group);
+  const PackedLayout w = kvpool_quant::checked_layout(x, data, bits, group, out_features);
+  TORCH_CHECK(group <= kMaxGroup, "the group must be at most ", kMaxGroup);
   switch (x.scalar_type()) {
-    case at::kFloat: return matmul_typed<float>(x, data, bits, group, out_features);
-    case at::kBFloat16: return matmul_typed<at::BFloat16>(x, data, bits, group, out_features);
+    case at::kFloat: return matmul_typed<float>(x, w, bits);
+    case at::kBFloat16: return matmul_typed<at::BFloat16>(x, w, bits);
     default: TORCH_CHECK(false, "quant_matmul takes float32 or bfloat16 activations");
   }
 }
