@@ -57,6 +57,7 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request
 from kvpool.engine.setup import EngineParts, build_engine_parts, make_runner
+from kvpool.engine.speculative import make_speculator
 from kvpool.engine.warmup import warm_up
 from kvpool.formats.kv_snapshot import KVSnapshot
 from kvpool.memory.block_pool import BlockPoolStats
@@ -81,8 +82,9 @@ class LLMEngine:
         self.intake = RequestIntake(parts.tokenizer, parts.model_config, parts.max_model_len,
                                     config.scheduling.max_num_seqs, parts.kv_memory, parts.device)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
-        self.scheduler = Scheduler(self._scheduler_config(), self._kv_manager(),
-                                   stop_checker=self.outputs)
+        self.scheduler = Scheduler(
+            self._scheduler_config(), self._kv_manager(), stop_checker=self.outputs,
+            speculator=make_speculator(config.scheduling.speculative_config, self.max_model_len))
         self.sampler = Sampler(config.load.seed)
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
@@ -233,11 +235,13 @@ class LLMEngine:
         """Run one batch; return an output for every request that changed (and whose output
         kind hands one out now)."""
         clock = self._start_step()
+        started = clock.last
         batch = self.scheduler.schedule()
         clock.lap("schedule")
         sampled = self._execute_and_sample(batch, clock)
         changed = self.scheduler.update(batch, sampled)
         clock.lap("sample")
+        self.scheduler.speculator.observe_step(batch.chunks, clock.last - started)
         outputs = self._make_outputs(changed)
         self.kv_memory.listeners.step_ended(self.step_stats.num_steps)
         clock.lap("output")
@@ -270,8 +274,7 @@ class LLMEngine:
             self.scheduler.roll_back(batch)
             raise
         is_decode_only = all(chunk.num_new_tokens == 1 for chunk in batch.chunks)
-        self.step_stats.record_model_run(num_used_blocks, model_seconds, is_decode_only,
-                                         len(sampled.token_ids))
+        self.step_stats.record_model_run(num_used_blocks, model_seconds, is_decode_only)
         return sampled
 
     def _make_outputs(self, changed: list[Request]) -> list[RequestOutput]:
@@ -329,8 +332,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         return self.step_stats.record(scheduler.num_preemptions, scheduler.num_recomputed_tokens,
-                                      scheduler.kv.counters,
-                                      self.kv_memory.layout.bytes_per_block)
+                                      scheduler.num_output_tokens, scheduler.kv.counters,
+                                      self.kv_memory.layout.bytes_per_block,
+                                      scheduler.speculator.stats())
 
     def kv_snapshot(self) -> KVSnapshot:
         """Every block, every block table and the derived figures, as of now (between steps:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from kvpool.engine.kv_manager import SwapCounters
+from kvpool.engine.speculative.stats import SpecDecodeStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,7 @@ class EngineStats:
     num_swapped_in_bytes: int
     num_recompute_tokens_avoided: int  # computed tokens swapped sequences resumed with
     cached_tokens_by_tier: dict[str, int]  # prompt tokens served from "device", "host", "disk"
+    spec_decode: SpecDecodeStats = SpecDecodeStats()  # drafts and acceptance (speculation on)
 
     def swap_fields(self) -> dict:
         """The preemption-by-kind and tier fields (`swap_stats`' names), for reports."""
@@ -73,7 +75,6 @@ class StepStats:
         self.num_steps = 0
         self.peak_used_blocks = 0
         self.num_prompt_tokens = 0
-        self.num_generated_tokens = 0
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
         self.decode_only_model_seconds = 0.0
 
@@ -82,28 +83,30 @@ class StepStats:
         return PhaseClock(self.phase_seconds)
 
     def record_model_run(self, num_used_blocks: int, model_seconds: float,
-                         is_decode_only: bool, num_sampled: int) -> None:
-        """A step's model ran on `num_used_blocks` device blocks and sampled `num_sampled`
-        tokens."""
+                         is_decode_only: bool) -> None:
+        """A step's model ran on `num_used_blocks` device blocks."""
         self.peak_used_blocks = max(self.peak_used_blocks, num_used_blocks)
         if is_decode_only:
             self.decode_only_model_seconds += model_seconds
         self.num_steps += 1
-        self.num_generated_tokens += num_sampled
 
-    def record(self, num_preemptions: int, num_recomputed_tokens: int, counters: SwapCounters,
-               bytes_per_block: int) -> EngineStats:
-        """This record with the scheduler's and the KV manager's counters, as `EngineStats`."""
+    def record(self, num_preemptions: int, num_recomputed_tokens: int, num_generated_tokens: int,
+               counters: SwapCounters, bytes_per_block: int,
+               spec_decode: SpecDecodeStats) -> EngineStats:
+        """This record with the scheduler's, the KV manager's and the speculator's counters,
+        as `EngineStats` (`num_generated_tokens`: the tokens sequences kept, the scheduler's
+        count: a verification samples rows it does not keep)."""
         return EngineStats(
             num_steps=self.num_steps,
             num_preemptions=num_preemptions,
             num_recomputed_tokens=num_recomputed_tokens,
             peak_used_blocks=self.peak_used_blocks,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_generated_tokens=self.num_generated_tokens,
+            num_generated_tokens=num_generated_tokens,
             phase_seconds=dict(self.phase_seconds),
             decode_only_model_seconds=self.decode_only_model_seconds,
             **swap_stats(counters, bytes_per_block),
+            spec_decode=spec_decode,
         )
 
 

@@ -231,6 +231,27 @@ class KVCacheManager:
                 raise
         return table.append_slots(num_new_tokens)
 
+    def append_drafts(self, seq: Sequence, num_draft_tokens: int) -> list[BlockCopy] | None:
+        """Tentative slots for drafts after the step's tokens, from free blocks only: a draft
+        never evicts a cached block, grows KV memory or preempts anyone (None: no room, no
+        drafts)."""
+        table = seq.block_table
+        num_blocks = table.num_blocks
+        if table.num_blocks_to_append(num_draft_tokens) > self.pool.num_free_blocks:
+            return None
+        copies = table.append_tentative_slots(num_draft_tokens)
+        if table.num_blocks > num_blocks:
+            self.listeners.drafts_allocated(seq.request.request_id, seq.index,
+                                            table.block_ids[num_blocks:])
+        return copies
+
+    def commit_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """Keep the slots of the first `num_accepted` drafts; the others vanish, and blocks
+        that held only them go back to the free list now."""
+        dropped = seq.block_table.commit_tentative(num_accepted)
+        if dropped:
+            self.listeners.drafts_dropped(seq.request.request_id, seq.index, dropped)
+
     def mark_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache."""
         seq.block_table.mark_computed(seq.num_computed_tokens, seq.token_ids, seq.block_hashes)

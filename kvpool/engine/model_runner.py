@@ -6,7 +6,9 @@ first (so backends can launch one kernel per kind), flattens their tokens, and c
 token's slot from its block table (`KVLayout.slot_mapping`).
 
 A chunk asks for two kinds of logits rows. `num_samples` rows of its last token: 0 mid-prompt,
-usually 1, n where a prompt's last chunk is sampled once per completion to be forked. And one
+usually 1, n where a prompt's last chunk is sampled once per completion to be forked; a chunk
+ending with k drafts (speculative decoding) asks instead for one row at each of its last k + 1
+tokens, the positions that verify the drafts. And one
 row per position of `prompt_logprob_positions`, for a request that asked for prompt logprobs.
 The model computes them in one call (its `logits_indices` list the sampling rows of every chunk,
 then the prompt-logprob rows of every chunk, each in the caller's chunk order), and `execute` splits
@@ -30,8 +32,9 @@ from kvpool.memory.kv_cache import KVCache
 class ModelChunk(Protocol):
     """One sequence's share of a step: `token_ids` are new this step and follow
     `num_computed_tokens` tokens whose KV is already cached in `block_ids`; the step returns
-    `num_samples` logits rows of its last token, and one row per position (absolute, among the
-    chunk's) of `prompt_logprob_positions`. The scheduler's `ScheduledChunk` is one."""
+    `num_samples` logits rows of its last token (with `num_draft_tokens` k: one row at each of
+    its last k + 1 tokens instead), and one row per position (absolute, among the chunk's) of
+    `prompt_logprob_positions`. The scheduler's `ScheduledChunk` is one."""
 
     @property
     def token_ids(self) -> Sequence[int]: ...
@@ -46,6 +49,9 @@ class ModelChunk(Protocol):
     def num_samples(self) -> int: ...
 
     @property
+    def num_draft_tokens(self) -> int: ...
+
+    @property
     def prompt_logprob_positions(self) -> range: ...
 
 
@@ -58,6 +64,7 @@ class SequenceChunk:
     block_ids: Sequence[int]
     num_samples: int = 1
     prompt_logprob_positions: range = range(0)
+    num_draft_tokens: int = 0
 
 
 class CausalLM(Protocol):
@@ -135,33 +142,44 @@ class ModelRunner:
         )
 
     def prepare(self, chunks: Sequence[ModelChunk]) -> StepInputs:
-        """Flatten the chunks (decodes first) into the model's inputs."""
+        """Flatten the chunks (decodes first) into the model's inputs.
+
+        Attention sees one row per decode token: a decode's one token, and each token of a
+        decode followed by drafts (the i-th attending to the context and the i tokens before
+        it), so a verification runs on the decode kernels rather than a prefill's.
+        """
         layout = self.kv_cache.layout
-        # Stable sort: decodes (one new token) first, otherwise keep the caller's order.
-        order = sorted(range(len(chunks)), key=lambda index: len(chunks[index].token_ids) != 1)
+        # Stable sort: decode rows first, otherwise keep the caller's order.
+        order = sorted(range(len(chunks)), key=lambda index: not _decodes(chunks[index]))
         first_token = [0] * len(chunks)  # where each chunk's tokens start in the flat batch
         token_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
+        query_lens: list[int] = []
         seq_lens: list[int] = []
+        block_tables: list[Sequence[int]] = []
         for index in order:
             chunk = chunks[index]
             first_token[index] = len(token_ids)
             start = chunk.num_computed_tokens
             seq_len = start + len(chunk.token_ids)
-            seq_lens.append(seq_len)
             positions.extend(range(start, seq_len))
             slot_mapping.extend(layout.slot_mapping(chunk.block_ids, start, seq_len))
             token_ids.extend(chunk.token_ids)
+            # (query length, sequence length) per attention row
+            rows = ([(1, end) for end in range(start + 1, seq_len + 1)] if _decodes(chunk)
+                    else [(len(chunk.token_ids), seq_len)])
+            for query_len, end in rows:
+                query_lens.append(query_len)
+                seq_lens.append(end)
+                block_tables.append(chunk.block_ids[: layout.num_blocks_for_tokens(end)])
         sampling_rows, prompt_rows = _logits_rows(chunks, first_token)
         is_pure_decode = (len(token_ids) == len(chunks) and not prompt_rows
                           and sampling_rows == list(range(len(chunks))))
-        ordered = [chunks[index] for index in order]
         metadata = AttentionMetadata.build(
-            query_lens=[len(chunk.token_ids) for chunk in ordered],
+            query_lens=query_lens,
             seq_lens=seq_lens,
-            block_tables=[chunk.block_ids[: layout.num_blocks_for_tokens(seq_len)]
-                          for chunk, seq_len in zip(ordered, seq_lens, strict=True)],
+            block_tables=block_tables,
             slot_mapping=slot_mapping,
             layout=layout,
             device=self.device,
@@ -177,16 +195,25 @@ class ModelRunner:
         )
 
 
+def _decodes(chunk: ModelChunk) -> bool:
+    """One new token, or one followed only by drafts: its attention rows are decode rows."""
+    return len(chunk.token_ids) == 1 + chunk.num_draft_tokens
+
+
 def _logits_rows(
     chunks: Sequence[ModelChunk], first_token: list[int]
 ) -> tuple[list[int], list[int]]:
     """Flat-batch rows whose logits the chunks ask for, in the caller's chunk order: the
-    sampling rows (each chunk's last token, `num_samples` times), and the prompt-logprob rows."""
+    sampling rows (each chunk's last token, `num_samples` times, or its last k + 1 tokens with k
+    drafts), and the prompt-logprob rows."""
     sampling_rows: list[int] = []
     prompt_rows: list[int] = []
     for chunk, first in zip(chunks, first_token, strict=True):
         last = first + len(chunk.token_ids) - 1
-        sampling_rows.extend([last] * chunk.num_samples)
+        if chunk.num_draft_tokens:
+            sampling_rows.extend(range(last - chunk.num_draft_tokens, last + 1))
+        else:
+            sampling_rows.extend([last] * chunk.num_samples)
         positions = chunk.prompt_logprob_positions
         if positions:
             start = chunk.num_computed_tokens

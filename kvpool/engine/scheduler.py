@@ -16,6 +16,11 @@ One step's batch, formed by `schedule()`:
    is admitted in a step that had to preempt. A request with n > 1 takes n seats at admission:
    its other n - 1 sequences are forked from it once its prompt is computed.
 
+3. Drafts (speculative decoding), last and with what is left: the speculator
+   (`kvpool.engine.speculative`) guesses the next tokens of chunks that end their sequence,
+   sized to what pays; each guess gets tentative slots from free blocks (never by preempting,
+   growing or evicting), else it is dropped.
+
 Each chunk also names the positions whose logits the step must return for prompt logprobs
 (`kvpool.engine.requests.prompt_logprobs.chunk_positions`: the request's pending ones among
 the chunk's).
@@ -24,7 +29,9 @@ After the model ran and the sampler chose tokens, `update()` does the rest of th
 mark what was computed (prompt logprob positions too), fork the n - 1 siblings of each prompt
 that just completed (all n sample their first token from the same logits), append every sampled
 token, ask the stop rules (`StopChecker`, the output processor) whether each sequence is done,
-and free the finished.
+and free the finished. A chunk with drafts keeps the drafts the sampler agreed with and the
+sampler's token after them, one at a time through the stop rules (nothing past a stop is
+kept); its table commits their slots and drops the rest before anything is published.
 A step that failed before its update is undone by `roll_back()`: its sequences are requeued
 with their KV dropped, so no slot reserved for a step that never ran survives.
 
@@ -51,6 +58,7 @@ from kvpool.engine.requests.prompt_logprobs import chunk_positions
 from kvpool.engine.sampling.sampler import SamplerOutput
 from kvpool.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from kvpool.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
+from kvpool.engine.speculative import NoSpeculation, accepted_length
 from kvpool.engine.waiting_queue import WaitingQueue
 from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.errors import OutOfBlocksError
@@ -79,10 +87,11 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 stop_checker: StopChecker) -> None:
+                 stop_checker: StopChecker, speculator: NoSpeculation | None = None) -> None:
         self.config = config
         self.kv = kv
         self.stop_checker = stop_checker
+        self.speculator = speculator or NoSpeculation()
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.reset_counters()
@@ -94,7 +103,9 @@ class Scheduler:
         """Zero the preemption counters, the KV manager's with them."""
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens dropped by preemption
+        self.num_output_tokens = 0  # tokens sequences kept (sampled, or drafted and verified)
         self.kv.reset_counters()
+        self.speculator.reset_counters()
 
     def add_request(self, request: Request, block_hashes: list) -> Sequence:
         """Queue the first sequence of a new request; `block_hashes` are its prompt's."""
@@ -131,8 +142,19 @@ class Scheduler:
         output = SchedulerOutput()
         token_budget = self._schedule_running(self.config.max_num_batched_tokens, output)
         if not output.preempted:
-            self._schedule_waiting(token_budget, output)
+            token_budget = self._schedule_waiting(token_budget, output)
+        self._add_drafts(token_budget, output)
         return output
+
+    def _add_drafts(self, token_budget: int, output: SchedulerOutput) -> None:
+        """The speculator's drafts, in tentative slots, where free blocks hold them."""
+        chunks = output.chunks
+        for index, drafts in self.speculator.propose(chunks, token_budget,
+                                                     len(self.running)).items():
+            copies = self.kv.append_drafts(chunks[index].seq, len(drafts))
+            if copies is not None:
+                output.block_copies.extend(copies)
+                chunks[index] = chunks[index].with_drafts(drafts)
 
     def _schedule_running(self, token_budget: int, output: SchedulerOutput) -> int:
         index = 0
@@ -204,12 +226,13 @@ class Scheduler:
         self._requeue(seq)
         output.preempted.append(seq)
 
-    def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> None:
+    def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:
+        """Admit waiting sequences; returns the token budget left."""
         # Seats: a request that has yet to fork counts its n sequences from admission on.
         num_seats = sum(_num_seats(seq) for seq in self.running)
         while token_budget > 0 and (seq := self.waiting.peek()) is not None:
             if num_seats + _num_seats(seq) > self.config.max_num_seqs:
-                return
+                break
             plan = self.kv.plan_admission(
                 seq,
                 token_budget,
@@ -217,7 +240,7 @@ class Scheduler:
                 keep_watermark=bool(self.running),
             )
             if plan is None:
-                return
+                break
             self.waiting.pop()
             output.block_copies.extend(self.kv.admit(seq, plan))
             if seq.request.num_cached_tokens is None:  # its first admission
@@ -229,12 +252,15 @@ class Scheduler:
             token_ids = seq.token_ids(start, start + plan.num_new_tokens)
             output.chunks.append(self._chunk(seq, token_ids))
             token_budget -= plan.num_new_tokens
+        return token_budget
 
     # ------------------------------------------------------------ after a step
     def update(self, batch: SchedulerOutput, sampled: SamplerOutput) -> list[Request]:
         """Bring every scheduled sequence up to date after the model and the sampler ran;
         returns the requests whose outputs changed, in batch order."""
         for chunk in batch.chunks:
+            if chunk.draft_token_ids:
+                continue  # computed once the verification knows how many drafts hold
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self.kv.mark_computed(chunk.seq)
             if chunk.prompt_logprob_positions:
@@ -242,12 +268,31 @@ class Scheduler:
         touched = {seq.request.request_id: seq.request for seq in batch.length_capped}
         rows = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
         for chunk in batch.chunks:
-            if chunk.num_samples:
+            if chunk.draft_token_ids:
+                self._verify(chunk, [next(rows) for _ in range(chunk.num_sampling_rows)])
+            elif chunk.num_samples:
                 for seq in self._fork_siblings(chunk):
                     self._append(seq, *next(rows))
+            if chunk.num_samples:
                 touched[chunk.seq.request.request_id] = chunk.seq.request
         assert next(rows, None) is None, "more sampled rows than sequences"
         return list(touched.values())
+
+    def _verify(self, chunk: ScheduledChunk,
+                rows: list[tuple[int, dict[int, Logprob] | None]]) -> None:
+        """Keep the drafts the sampler agreed with and its token after them: their slots are
+        committed (the others dropped), then the tokens join the sequence one by one through
+        the stop rules, and the full blocks are published."""
+        seq, drafts = chunk.seq, chunk.draft_token_ids
+        num_accepted = accepted_length(drafts, [token_id for token_id, _ in rows])
+        self.speculator.verified(seq, len(drafts), num_accepted)
+        seq.num_computed_tokens += chunk.num_new_tokens - len(drafts) + num_accepted
+        self.kv.commit_drafts(seq, num_accepted)
+        for token_id, logprobs in rows[: num_accepted + 1]:
+            self._append(seq, token_id, logprobs)
+            if seq.is_finished:
+                return
+        self.kv.mark_computed(seq)
 
     def _fork_siblings(self, chunk: ScheduledChunk) -> list[Sequence]:
         """The chunk's sequence, then (where its prompt just completed) its new siblings,
@@ -266,6 +311,7 @@ class Scheduler:
 
     def _append(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         self.kv.append_output(seq, token_id)
+        self.num_output_tokens += 1
         decision = self.stop_checker.on_token(seq, token_id, logprobs)
         if decision is not None:
             self.finish(seq, *decision)
@@ -290,6 +336,7 @@ class Scheduler:
         else:
             self.waiting.discard(seq)
         self.kv.free(seq)
+        self.speculator.forget(seq)
         self._preempted_at.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -307,6 +354,7 @@ class Scheduler:
             elif is_running:
                 assert seq.status is SequenceStatus.RUNNING
                 assert table.num_tokens == seq.num_computed_tokens
+                assert table.num_tentative == 0, "a draft outlived its step"
             else:
                 assert is_waiting and seq.status is SequenceStatus.WAITING
                 assert table.num_blocks == 0

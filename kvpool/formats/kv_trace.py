@@ -22,8 +22,10 @@ counting from 0 after the warm-up), "t" seconds since the header's time. The oth
     hit      r, q (completion index), b device blocks taken from the prefix cache, c prompt
              tokens served (all tiers), and "k": {"host": tokens, "disk": tokens, "shared":
              tokens} when a tier below served some
-    alloc    r, q, b blocks newly taken by the sequence's table
-    free     r, q, b blocks its table gave back (reference drops; shared blocks stay in use)
+    alloc    r, q, b blocks newly taken by the sequence's table ("d": 1 when they are only
+                     for speculative drafts' tentative slots)
+    free     r, q, b blocks its table gave back (reference drops; shared blocks stay in use;
+                     "d": 1 for blocks that held only rejected drafts)
     evict    b cached blocks the device evicted to make room, or an elastic shrink dropped
              (their prefixes are lost here)
     fork     r, q the new completion, "from" the completion it shares its blocks with, b blocks

@@ -23,6 +23,13 @@ Invariants:
   the prefix cache, in order; no other block was.
 - Physical ids may change between steps (`remap`, when an elastic pool migrates blocks);
   logical positions never do.
+- The last `num_tentative` filled slots are *tentative*: speculative decoding's drafted tokens,
+  whose KV the verification pass writes before anyone knows whether they are kept. They are
+  never published (`mark_computed` stops before them), so never hashed, cached, written to a
+  tier or announced as KV events; the owner does not count them as computed. They live within
+  one step: `commit_tentative` keeps the accepted ones as ordinary slots and drops the rest,
+  returning at once the blocks that held only rejected drafts. Between steps
+  `num_tentative == 0`, and `fork` refuses a table that has any.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class BlockTable:
         self.block_ids: list[int] = []
         self.num_tokens = 0  # filled slots: tokens whose KV has (or is about to have) a place
         self.num_published_blocks = 0
+        self.num_tentative = 0  # the last filled slots, drafted tokens not yet verified
 
     # ----------------------------------------------------------------- queries
     @property
@@ -103,13 +111,39 @@ class BlockTable:
         self.block_ids.extend(new_block_ids)
         return copies
 
+    def append_tentative_slots(self, num_draft_tokens: int) -> list[BlockCopy]:
+        """Slots for `num_draft_tokens` drafted tokens after the filled ones, tentative until
+        `commit_tentative` (`append_slots`' rules: all or nothing)."""
+        copies = self.append_slots(num_draft_tokens)
+        self.num_tentative += max(num_draft_tokens, 0)
+        return copies
+
+    def commit_tentative(self, num_accepted: int) -> list[int]:
+        """Keep the first `num_accepted` tentative slots as ordinary filled slots and drop
+        the others; the blocks that held only dropped slots go back to the pool now (never
+        published, so to the free list). Returns their ids. O(drafts), not O(sequence)."""
+        if not 0 <= num_accepted <= self.num_tentative:
+            raise ValueError(f"cannot accept {num_accepted} of {self.num_tentative} "
+                             "tentative slots")
+        self.num_tokens -= self.num_tentative - num_accepted
+        self.num_tentative = 0
+        num_kept = self.pool.layout.num_blocks_for_tokens(self.num_tokens)
+        dropped = self.block_ids[num_kept:]
+        if dropped:
+            del self.block_ids[num_kept:]
+            self.pool.free(reversed(dropped))
+        if self.block_ids:
+            last_start = (num_kept - 1) * self.block_size
+            self.pool.set_num_filled_slots(self.block_ids[-1], self.num_tokens - last_start)
+        return dropped
+
     def mark_computed(self, num_computed_tokens: int, token_ids: TokenRange,
                       block_hashes: Sequence[BlockHash]) -> None:
         """Offer every full block within the first `num_computed_tokens` tokens to the prefix
         cache; `token_ids(start, end)` and `block_hashes` (the chain of the owner's full
         blocks, at least those) are the owner's."""
         size = self.block_size
-        num_full = min(num_computed_tokens, self.num_tokens) // size
+        num_full = min(num_computed_tokens, self.num_tokens - self.num_tentative) // size
         for index in range(self.num_published_blocks, num_full):
             parent = block_hashes[index - 1] if index else None
             self.pool.publish(self.block_ids[index], block_hashes[index],
@@ -130,6 +164,8 @@ class BlockTable:
     # ---------------------------------------------------------- share / free
     def fork(self) -> BlockTable:
         """A new table sharing every block (ref_count + 1 each, nothing copied)."""
+        if self.num_tentative:
+            raise ValueError("cannot fork a block table with tentative slots")
         self.pool.retain(self.block_ids)
         child = BlockTable(self.pool)
         child.block_ids = list(self.block_ids)
@@ -155,3 +191,4 @@ class BlockTable:
         self.block_ids = []
         self.num_tokens = 0
         self.num_published_blocks = 0
+        self.num_tentative = 0

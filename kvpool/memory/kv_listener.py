@@ -11,7 +11,8 @@ tiers, the engine's KV cache manager), so a listener registered there once hears
     ElasticKVPool           pool_resizing, pool_resized
     KVTiers                 block_spilled
     KVCacheManager          prefix_hit, blocks_allocated, blocks_freed, table_forked,
-                            block_copied_on_write, sequence_preempted, sequence_swapped_in
+                            block_copied_on_write, sequence_preempted, sequence_swapped_in,
+                            drafts_allocated, drafts_dropped
     the engine              request_arrived, request_finished, step_ended
     Scheduler               step_rolled_back
 
@@ -81,6 +82,12 @@ class KVListener:
 
     def blocks_freed(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
         """A sequence's table dropped its references."""
+
+    def drafts_allocated(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
+        """A sequence's table took new blocks for tentative slots (speculative drafts)."""
+
+    def drafts_dropped(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
+        """Blocks that held only rejected drafts went back to the free list."""
 
     def table_forked(self, request_id: str, index: int, parent_index: int,
                      block_ids: Sequence[int]) -> None:
@@ -195,6 +202,14 @@ class KVListeners(KVListener):
     def blocks_freed(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
         for listener in self._listeners:
             listener.blocks_freed(request_id, index, block_ids)
+
+    def drafts_allocated(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
+        for listener in self._listeners:
+            listener.drafts_allocated(request_id, index, block_ids)
+
+    def drafts_dropped(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
+        for listener in self._listeners:
+            listener.drafts_dropped(request_id, index, block_ids)
 
     def table_forked(self, request_id: str, index: int, parent_index: int,
                      block_ids: Sequence[int]) -> None:

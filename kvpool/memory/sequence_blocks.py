@@ -66,6 +66,12 @@ class SequenceBlocks:
         """Slots for `token_ids` (`BlockTable.append_slots`: all or nothing); with `computed`
         the full blocks are published at once, else only at `mark_computed`."""
         copies = self.table.append_slots(len(token_ids))
+        self._extend(token_ids, computed)
+        return copies
+
+    def _extend(self, token_ids: Sequence[int], computed: bool) -> None:
+        """The tokens join the sequence (their slots already taken): full blocks hashed, and
+        published with `computed`."""
         tokens, hashes = self.token_ids, self.block_hashes
         tokens.extend(token_ids)
         size = self.table.block_size
@@ -76,7 +82,18 @@ class SequenceBlocks:
             hashes.extend(hash_full_blocks(tokens[num_hashed:], size, self.salt, parent))
         if computed and num_full > self.table.num_published_blocks:
             self.mark_computed(len(tokens))
-        return copies
+
+    def draft(self, num_draft_tokens: int) -> list[BlockCopy]:
+        """Tentative slots for drafted tokens (speculative decoding): their KV is written,
+        but they join the sequence only if `commit_draft` accepts them."""
+        return self.table.append_tentative_slots(num_draft_tokens)
+
+    def commit_draft(self, accepted: Sequence[int]) -> list[int]:
+        """The verified drafts `accepted` (a prefix of those drafted) join the sequence,
+        computed; the rest vanish with the blocks that held only them (returned)."""
+        dropped = self.table.commit_tentative(len(accepted))
+        self._extend(accepted, computed=True)
+        return dropped
 
     def mark_computed(self, num_computed_tokens: int) -> None:
         """Publish the full blocks within the first `num_computed_tokens` tokens."""

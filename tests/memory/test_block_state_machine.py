@@ -2,6 +2,9 @@
 
 A shadow model (the token ids each live sequence should hold) runs beside the real block
 tables; after every step the pool's bookkeeping is checked against the tables that exist.
+Speculative decoding's steps are among the operations: `draft` gives a sequence tentative
+slots, `commit` keeps a prefix of them (the accepted drafts) and drops the rest; between the
+two the sequence is only verified, as in the engine's step (no append, fork or draft).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(NUM_BLOCKS, KVLayout(BLOCK_SIZE))
         self.tables: dict[int, SequenceBlocks] = {}
         self.expected_tokens: dict[int, list[int]] = {}
+        self.drafts: dict[int, list[int]] = {}  # seq -> its tentative tokens, until commit
         self.next_id = 0
 
     def _register(self, table: SequenceBlocks, tokens: list[int]) -> int:
@@ -76,7 +80,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(seq=sequences, tokens=TOKENS)
     def append(self, seq, tokens):
         """Append (copy-on-write happens whenever the last block is shared and partial)."""
-        if seq not in self.tables:
+        if seq not in self.tables or seq in self.drafts:
             return
         table = self.tables[seq]
         old_ids, old_tokens = list(table.block_ids), list(table.token_ids)
@@ -91,7 +95,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @rule(target=sequences, seq=sequences)
     def fork(self, seq):
-        if seq not in self.tables:
+        if seq not in self.tables or seq in self.drafts:
             return None
         child = self.tables[seq].fork()
         return self._register(child, self.expected_tokens[seq])
@@ -101,6 +105,39 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if seq in self.tables:
             self.tables.pop(seq).free()
             del self.expected_tokens[seq]
+            self.drafts.pop(seq, None)
+
+    @rule(seq=sequences, tokens=TOKENS)
+    def draft(self, seq, tokens):
+        """Tentative slots for drafted tokens; all or nothing, like any append."""
+        if seq not in self.tables or seq in self.drafts:
+            return
+        table = self.tables[seq]
+        old_ids = list(table.block_ids)
+        try:
+            copies = table.draft(len(tokens))
+        except OutOfBlocksError:
+            assert table.block_ids == old_ids and table.table.num_tentative == 0
+            return
+        assert all(copy.src_block_id in old_ids for copy in copies)
+        self.drafts[seq] = tokens
+
+    @precondition(lambda self: self.drafts)
+    @rule(data=st.data())
+    def commit(self, data):
+        """Accept a prefix of the drafts; the blocks that held only rejected ones are freed at
+        once, never having been published."""
+        seq = data.draw(st.sampled_from(sorted(self.drafts)))
+        drafted = self.drafts.pop(seq)
+        num_accepted = data.draw(st.integers(0, len(drafted)))
+        table = self.tables[seq]
+        num_blocks = table.num_blocks
+        dropped = table.commit_draft(drafted[:num_accepted])
+        self.expected_tokens[seq].extend(drafted[:num_accepted])
+        assert table.num_blocks + len(dropped) == num_blocks
+        for block_id in dropped:
+            assert self.pool.ref_count(block_id) == 0
+            assert block_id in self.pool.free_block_ids(), "a rejected draft's block was cached"
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
@@ -122,6 +159,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             table.free()
         self.tables.clear()
         self.expected_tokens.clear()
+        self.drafts.clear()
         stats = self.pool.stats()
         assert stats.num_used_blocks == 0
         assert stats.num_free_blocks + stats.num_cached_blocks == NUM_BLOCKS
@@ -144,7 +182,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def tables_hold_their_tokens_and_shape(self):
         for seq, table in self.tables.items():
             assert table.token_ids == self.expected_tokens[seq]
-            assert table.num_blocks == -(-table.num_tokens // BLOCK_SIZE)
+            num_drafted = len(self.drafts.get(seq, ()))
+            assert table.table.num_tentative == num_drafted
+            assert table.table.num_tokens == table.num_tokens + num_drafted
+            assert table.num_blocks == -(-table.table.num_tokens // BLOCK_SIZE)
+
+    @invariant()
+    def tentative_slots_are_never_published(self):
+        for table in self.tables.values():
+            assert table.num_published_blocks * BLOCK_SIZE <= table.num_tokens
 
     @invariant()
     def hashed_blocks_hold_the_tokens_of_every_table_using_them(self):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvpool.engine.config.options import check_at_least_one, option
+from kvpool.engine.config.options import check_at_least_one, option, parse_json_object
+from kvpool.engine.config.speculative import SpeculativeConfig
 
 DEFAULT_CHUNKED_BATCHED_TOKENS = 1024
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -18,7 +19,8 @@ class SchedulingConfig:
     """`preemption_mode` says what a preempted sequence's KV becomes: "recompute" (dropped),
     "swap" (copied to the host tier, back on resumption), or "auto" (per victim, whichever the
     measured copy and prefill rates say is cheaper; recompute without a host tier).
-    `max_num_batched_tokens` None: `batched_tokens_limit` picks it."""
+    `max_num_batched_tokens` None: `batched_tokens_limit` picks it. `speculative_config` is
+    given as vLLM's dict and kept as the checked `SpeculativeConfig` (None: no speculation)."""
 
     TITLE: ClassVar[str] = "scheduling"
 
@@ -29,8 +31,14 @@ class SchedulingConfig:
         "auto", "what a preempted sequence's KV becomes: recompute (dropped), swap (to the "
         "host tier and back), auto (the cheaper of the two per victim, by measured copy and "
         "prefill rates)", choices=PREEMPTION_MODES)
+    speculative_config: SpeculativeConfig | None = option(
+        None, "speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'",
+        parser=parse_json_object, metavar="JSON")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_value(self.speculative_config))
         check_at_least_one(max_num_seqs=self.max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens)
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -11,7 +11,8 @@ Where events come from:
                 and the step number every event carries (0 again after a device pool reset)
     KV manager  hit, alloc, free, fork, cow, preempt, swap_in (`prefix_hit`,
                 `blocks_allocated`, `blocks_freed`, `table_forked`, `block_copied_on_write`,
-                `sequence_preempted`, `sequence_swapped_in`)
+                `sequence_preempted`, `sequence_swapped_in`); tentative blocks (speculative
+                drafts) as alloc and free with "d": 1 (`drafts_allocated`, `drafts_dropped`)
     block pool  evict (`block_evicted`)
     KV tiers    spill (`block_spilled`)
     elastic     grow, shrink, and evict for the cached blocks a shrink drops (`pool_resized`)
@@ -47,8 +48,8 @@ if TYPE_CHECKING:
 _FIELDS: dict[str, tuple[str, ...]] = {
     "arrive": ("r", "p", "n", "h"),
     "hit": ("r", "q", "b", "c", "k"),
-    "alloc": ("r", "q", "b"),
-    "free": ("r", "q", "b"),
+    "alloc": ("r", "q", "b", "d"),
+    "free": ("r", "q", "b", "d"),
     "evict": ("b",),
     "fork": ("r", "q", "from", "b"),
     "cow": ("r", "q", "src", "dst"),
@@ -124,10 +125,16 @@ class KVRecorder(KVListener):
                      num_cached_tokens, tokens_below)
 
     def blocks_allocated(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
-        self._record("alloc", self.step, _clock(), request_id, index, list(block_ids))
+        self._record("alloc", self.step, _clock(), request_id, index, list(block_ids), None)
 
     def blocks_freed(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
-        self._record("free", self.step, _clock(), request_id, index, list(block_ids))
+        self._record("free", self.step, _clock(), request_id, index, list(block_ids), None)
+
+    def drafts_allocated(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
+        self._record("alloc", self.step, _clock(), request_id, index, list(block_ids), 1)
+
+    def drafts_dropped(self, request_id: str, index: int, block_ids: Sequence[int]) -> None:
+        self._record("free", self.step, _clock(), request_id, index, list(block_ids), 1)
 
     def table_forked(self, request_id: str, index: int, parent_index: int,
                      block_ids: Sequence[int]) -> None:

@@ -54,17 +54,21 @@ class SamplingRow:
 
 
 def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> list[SamplingRow]:
-    """One row per logits row: each sampled sequence, or a sibling about to be forked. Below
-    `min_tokens` a row bans EOS (unless `ignore_eos`) and the request's stop token ids."""
+    """One row per logits row: each sampled sequence, or a sibling about to be forked, or a
+    drafted position (its outputs then end with the drafts before it). Below `min_tokens` a
+    row bans EOS (unless `ignore_eos`) and the request's stop token ids."""
     rows = []
-    for seq, index in batch.sampled_sequences():
-        params = seq.request.params
+    for seq, index, drafts in batch.sampled_sequences():
+        request = seq.request
+        params = request.params
+        outputs = seq.output_token_ids
+        if drafts and (params.has_penalties or request.token_rules.bad_word_prefixes):
+            outputs = outputs + list(drafts)  # only these rows read what precedes them
         banned: tuple[int, ...] = ()
-        if len(seq.output_token_ids) < params.min_tokens:
+        if len(seq.output_token_ids) + len(drafts) < params.min_tokens:
             eos = () if params.ignore_eos else tuple(eos_token_ids)
             banned = eos + tuple(params.stop_token_ids)
-        request = seq.request
-        rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids,
+        rows.append(SamplingRow(params, seq.prompt_token_ids, outputs,
                                 request.generators[index], banned,
                                 request.matchers[index] if request.matchers else None,
                                 request.token_rules))

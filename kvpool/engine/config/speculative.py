@@ -1,0 +1,102 @@
+"""`speculative_config`: vLLM's option for speculative decoding, as a checked, frozen value.
+
+Given as a dict (`LLM(speculative_config={...})`, `--speculative-config '{...}'`) with vLLM's
+field names; `SpeculativeConfig.from_dict` checks it, naming a bad field. Methods:
+
+- "ngram" (prompt lookup): the drafts continue the latest earlier occurrence of the context's
+  last n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min` (vLLM's defaults:
+  both 5, or the one given);
+- "draft_model" and "suffix" are refused, saying why (not built yet).
+
+`disable_by_batch_size` (vLLM's) turns drafting off while at least that many requests run;
+without it the engine decides from measured step times (`kvpool.engine.speculative.adaptive`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+NOT_YET = {
+    "draft_model": "a draft model needs its own KV layout in the pool (pages of another "
+                   "size); use method 'ngram'",
+    "suffix": "suffix-tree drafts are not built; use method 'ngram'",
+    "eagle": "EAGLE heads are not supported; use method 'ngram'",
+    "eagle3": "EAGLE heads are not supported; use method 'ngram'",
+    "medusa": "Medusa heads are not supported; use method 'ngram'",
+    "mtp": "multi-token prediction heads are not supported; use method 'ngram'",
+}
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Checked speculative-decoding settings (vLLM's names)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None
+                   ) -> SpeculativeConfig | None:
+        """From a config, a dict, or its JSON text; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        return cls.from_dict(value)
+
+    @classmethod
+    def from_dict(cls, given: dict[str, Any]) -> SpeculativeConfig:
+        """ValueError naming the field when `given` is not a usable configuration."""
+        known = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                 "prompt_lookup_min", "disable_by_batch_size")
+        for name in given:
+            if name not in known:
+                match = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {match[0]!r}?" if match else ""
+                raise ValueError(f"speculative_config has no field {name!r}{hint}")
+        method = given.get("method") or ("draft_model" if given.get("model") else None)
+        if method is None and given.get("model") in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling: model="[ngram]"
+        if method in NOT_YET:
+            raise ValueError(f"speculative_config method {method!r}: {NOT_YET[method]}")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, "
+                             f"got {method!r}")
+        num_tokens = given.get("num_speculative_tokens")
+        if num_tokens is None:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        lookup_max = given.get("prompt_lookup_max")
+        lookup_min = given.get("prompt_lookup_min")
+        if lookup_max is None and lookup_min is None:
+            lookup_max = lookup_min = DEFAULT_PROMPT_LOOKUP
+        return cls(method, num_tokens, lookup_max or lookup_min, lookup_min or lookup_max,
+                   given.get("disable_by_batch_size"))
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name != "method" and value is not None and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"speculative_config {field.name} must be a positive "
+                                 f"integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min})"
+                             f" must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The vLLM-named fields (what `from_dict` accepts back)."""
+        return {field.name: getattr(self, field.name) for field in fields(self)
+                if getattr(self, field.name) is not None}
