@@ -47,6 +47,13 @@ class Gauge(Metric):
 
 
 @dataclass(frozen=True)
+class Vector(Metric):
+    """Totals by position (vLLM's `Vector`: acceptances per draft position)."""
+
+    values: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Histogram(Metric):
     """Observations: their count, sum and cumulative counts per upper bound ("+Inf" last)."""
 
@@ -105,6 +112,12 @@ def read_metrics(engine: LLMEngine, model_name: str,
         Counter("vllm:num_preemptions", tags, stats.num_preemptions),
         Counter("vllm:prompt_tokens", tags, stats.num_prompt_tokens),
         Counter("vllm:generation_tokens", tags, stats.num_generated_tokens),
+        Counter("vllm:spec_decode_num_drafts", tags, stats.spec_decode.num_drafts),
+        Counter("vllm:spec_decode_num_draft_tokens", tags, stats.spec_decode.num_draft_tokens),
+        Counter("vllm:spec_decode_num_accepted_tokens", tags,
+                stats.spec_decode.num_accepted_tokens),
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", tags,
+               list(stats.spec_decode.num_accepted_tokens_per_pos)),
         Counter("kvpool:num_steps", tags, stats.num_steps),
         Gauge("kvpool:peak_used_blocks", tags, float(stats.peak_used_blocks)),
         *histograms,

@@ -100,9 +100,16 @@ class EngineCollector(Collector):
             ("kv_pool_shrinks", "Segments an elastic KV pool gave back.", kv_pool.num_shrinks),
             ("kv_pool_migrated_blocks", "Used blocks copied elsewhere by shrinks.",
              kv_pool.num_migrated_blocks),
+            ("spec_decode_num_drafts", "Speculative drafts verified (one per sequence and "
+             "step that drafted).", stats.spec_decode.num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.",
+             stats.spec_decode.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             stats.spec_decode.num_accepted_tokens),
         ]
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, name, documentation, value)
+        yield self._accepted_per_position(stats.spec_decode.num_accepted_tokens_per_pos)
         yield from self._tier_metrics(snapshot)
         if snapshot.kv_tiers.shared is not None:
             yield from self._shared_metrics(snapshot.kv_tiers.shared)
@@ -185,6 +192,14 @@ class EngineCollector(Collector):
         ]
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, f"kv_shared_{name}", documentation, value)
+
+    def _accepted_per_position(self, counts: tuple[int, ...]) -> Metric:
+        family = CounterMetricFamily("kvpool:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     labels=["model_name", "position"])
+        for position, count in enumerate(counts):
+            family.add_metric([self.model_name, str(position)], count)
+        return family
 
     def _by_source(self, name: str, documentation: str, values: dict[str, int]) -> Metric:
         family = CounterMetricFamily(f"kvpool:{name}", documentation,

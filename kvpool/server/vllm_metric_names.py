@@ -14,6 +14,8 @@ tier) keep their `kvpool:` name only; vLLM metrics kvpool does not measure are n
     prefix_cache_{queries,hits}_total       the same (tokens)
     num_preemptions_total                   the same
     {prompt,generation}_tokens_total        the same
+    spec_decode_*_total                     the same (drafts, draft and accepted tokens,
+                                            accepted per position)
     request_success_total{finished_reason}  the same
     cache_config_info                       the same
     the per-request histograms              the same (request_metrics.py)
@@ -41,7 +43,9 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
         "e2e_request_latency_seconds", "request_queue_time_seconds",
         "request_prefill_time_seconds", "request_decode_time_seconds",
         "request_inference_time_seconds", "request_prompt_tokens",
-        "request_generation_tokens")},
+        "request_generation_tokens", "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos")},
 }
 
 
