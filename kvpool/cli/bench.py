@@ -136,6 +136,42 @@ def add_throughput_args(parser: Parser) -> None:
     _add_output_json(parser)
 
 
+def add_speculative_args(parser: Parser) -> None:
+    """`kvpool bench speculative`'s own flags (also `benchmarks.speculative_baselines`')."""
+    parser.add_argument("--workloads", nargs="+", choices=("grounded", "open", "chat"),
+                        default=["grounded", "open"], metavar="WORKLOAD",
+                        help="grounded (answers copy the prompt), open (random-token prompts), "
+                        "chat (open-ended chat, nothing to copy) (default grounded open)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32], metavar="N",
+                        help="requests in flight, one run per N (default 1 4 32)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests per run (default max(8, 2 x concurrency))")
+    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3, 5, 8],
+                        metavar="K", help="one n-gram setting per K, beside off (default 3 5 8)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=4,
+                        help="longest n-gram looked up (default 4)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=2,
+                        help="shortest n-gram looked up (default 2)")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="max_tokens of every request (default 128)")
+    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512),
+                        metavar=("MIN", "MAX"), help="the open workload's prompt lengths")
+    parser.add_argument("--max-passage-chars", type=int, default=1200,
+                        help="the grounded workload's longest passage (default 1200)")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, metavar="DTYPE",
+                        help="repeat everything per dtype (overrides --dtype), e.g. float32 "
+                        "bfloat16")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of one run per setting, alternating order (default 3)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="two short requests through every engine, untimed, first "
+                        "(default on)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw tokens/s by concurrency and setting to PNG")
+    _add_output_json(parser)
+
+
 def add_multi_turn_args(parser: Parser) -> None:
     parser.add_argument("--num-conversations", type=int, default=8, help="run at once")
     parser.add_argument("--num-turns", type=int, default=4, help="turns per conversation")
@@ -286,6 +322,10 @@ BENCHES: tuple[Bench, ...] = (
     Bench("throughput", "offline throughput on a seeded workload (vs vLLM and transformers: "
           "`python -m benchmarks.throughput_baselines` in a checkout)",
           add_throughput_args, "throughput", engine_config_from_args),
+    Bench("speculative", "speculative decoding off vs n-gram (k = 3, 5, 8): output tokens/s, "
+          "acceptance and ratio on grounded and open workloads at 1, 4, 32 requests in "
+          "flight (vs vLLM: `python -m benchmarks.speculative_baselines` in a checkout)",
+          add_speculative_args, "speculative", engine_config_from_args),
     Bench("multi-turn", "chat conversations resending their history: TTFT and throughput "
           "with the KV tiers off, host, disk, host+disk, and disk again after a restart",
           add_multi_turn_args, "multi_turn", engine_config_from_args,
