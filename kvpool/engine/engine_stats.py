@@ -35,7 +35,7 @@ class EngineStats:
     num_swapped_in_bytes: int
     num_recompute_tokens_avoided: int  # computed tokens swapped sequences resumed with
     cached_tokens_by_tier: dict[str, int]  # prompt tokens served from "device", "host", "disk"
-    spec_decode: SpecDecodeStats = SpecDecodeStats()  # drafts and acceptance (speculation on)
+    spec_decode: SpecDecodeStats  # drafts and acceptance (all zero with speculation off)
 
     def swap_fields(self) -> dict:
         """The preemption-by-kind and tier fields (`swap_stats`' names), for reports."""

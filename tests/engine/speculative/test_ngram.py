@@ -56,7 +56,7 @@ def test_incremental_lookup_equals_a_rescan(tokens, steps, bounds, k):
 
 def test_the_index_reads_only_new_tokens():
     """After the first lookup, a step reads O(new tokens + max_n + k), not the context."""
-    tokens = list(range(1000)) + [5, 6]
+    tokens = [*range(1000), 5, 6]
     read: list[int] = []
 
     def counting(start: int, end: int) -> list[int]:
