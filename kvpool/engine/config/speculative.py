@@ -15,7 +15,6 @@ without it the engine decides from measured step times (`kvpool.engine.speculati
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -43,18 +42,14 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     @classmethod
-    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | None
                    ) -> SpeculativeConfig | None:
-        """From a config, a dict, or its JSON text; None stays None."""
+        """From a config or vLLM's dict (the CLI's flag parses its JSON into one); None stays
+        None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config is not JSON: {error}") from None
         if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object")
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
         return cls.from_dict(value)
 
     @classmethod
@@ -67,9 +62,10 @@ class SpeculativeConfig:
                 match = difflib.get_close_matches(name, known, n=1)
                 hint = f"; did you mean {match[0]!r}?" if match else ""
                 raise ValueError(f"speculative_config has no field {name!r}{hint}")
-        method = given.get("method") or ("draft_model" if given.get("model") else None)
-        if method is None and given.get("model") in ("ngram", "[ngram]"):
-            method = "ngram"  # vLLM's older spelling: model="[ngram]"
+        method = given.get("method")
+        if method is None and given.get("model") is not None:  # vLLM infers it from the model
+            ngram = given["model"] in ("ngram", "[ngram]")  # vLLM's older spelling
+            method = "ngram" if ngram else "draft_model"
         if method in NOT_YET:
             raise ValueError(f"speculative_config method {method!r}: {NOT_YET[method]}")
         if method not in METHODS:

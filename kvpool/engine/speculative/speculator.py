@@ -97,9 +97,10 @@ class Speculator(NoSpeculation):
                 drafts = self.proposer.propose(seq.seq_id, seq.token_ids, seq.num_tokens, room)
                 if drafts:
                     guesses[index] = drafts
-        for index, chunk in enumerate(chunks):
-            if index not in guesses and chunk.num_samples:
-                self._record(chunk.seq).fade()
+        for index, chunk in enumerate(chunks):  # only sequences that drafted have a record
+            record = self._acceptance.get(chunk.seq.seq_id)
+            if record is not None and index not in guesses:
+                record.fade()
         return self._sized(chunks, guesses, token_budget)
 
     def _room(self, chunk: ScheduledChunk) -> int:

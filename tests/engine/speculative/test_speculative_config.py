@@ -1,0 +1,57 @@
+"""`speculative_config`: vLLM's names and defaults, a clear error naming what is wrong, and the
+same JSON on every command's `--speculative-config`."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpool import LLM
+from kvpool.cli.args import add_engine_args, engine_config_from_args
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.config.speculative import SpeculativeConfig
+
+
+def speculative(**given):
+    return EngineConfig(speculative_config=given).scheduling.speculative_config
+
+
+def test_vllm_defaults_for_the_lookup_bounds():
+    assert speculative(method="ngram", num_speculative_tokens=3) == SpeculativeConfig(
+        "ngram", 3, prompt_lookup_max=5, prompt_lookup_min=5)
+    only_max = speculative(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4)
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    assert speculative(model="[ngram]", num_speculative_tokens=2).method == "ngram"
+    assert EngineConfig().scheduling.speculative_config is None
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"metod": "ngram"}, "did you mean 'method'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "must not exceed"),
+    ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model'"),
+    ({"method": "suffix", "num_speculative_tokens": 2}, "'suffix'"),
+    ({"method": "beam", "num_speculative_tokens": 2}, "must be one of"),
+])
+def test_bad_settings_are_refused_by_name(given, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=given)
+
+
+def test_llm_takes_it_as_vllm_does():
+    with pytest.raises(ValueError, match="needs num_speculative_tokens"):
+        LLM(speculative_config={"method": "ngram"})
+
+
+def test_every_command_takes_the_json_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 4}'])
+    config = engine_config_from_args(args).scheduling.speculative_config
+    assert config.num_speculative_tokens == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "not json"])
