@@ -49,6 +49,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tqdm.auto import tqdm
+
 from kvpool.bench.closed_loop import Run, run_closed_loop, run_rounds
 from kvpool.bench.speculative_summary import OFF, compare_baseline, summarize
 from kvpool.bench.throughput import BaselineUnavailable
@@ -238,7 +240,10 @@ def measure(args: argparse.Namespace, engines: dict[str, LLMEngine],
     _check_runs(off, runs, settings)
     if args.warmup:
         _warm_up(engines, runs[0])
-    results = [summarize(run, run_rounds(engines, run, args.rounds)) for run in runs]
+    # One tick per workload and concurrency (every setting, every round).
+    progress = tqdm(runs, desc=f"{off.dtype}".removeprefix("torch."), unit="run",
+                    disable=args.json)
+    results = [summarize(run, run_rounds(engines, run, args.rounds)) for run in progress]
     return {"dtype": str(off.dtype).removeprefix("torch."), "workloads": workloads,
             "kv_cache_bytes": off.kv_memory.arena.num_reserved_bytes, "results": results,
             "baselines": {}}, runs
