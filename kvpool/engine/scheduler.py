@@ -17,7 +17,7 @@ One step's batch, formed by `schedule()`:
    its other n - 1 sequences are forked from it once its prompt is computed.
 
 3. Drafts (speculative decoding), last and with what is left: the speculator
-   (`kvpool.engine.speculative`) guesses the next tokens of chunks that end their sequence,
+   (`kvpool.engine.speculative`) guesses the next tokens of decode chunks,
    sized to what pays; each guess gets tentative slots from free blocks (never by preempting,
    growing or evicting), else it is dropped.
 

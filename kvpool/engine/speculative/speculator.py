@@ -1,10 +1,10 @@
 """The scheduler's speculative-decoding partner: which sequences draft how many tokens this
 step, and what each verification taught.
 
-A step's chunk that ends its sequence (a decode, or a prompt's last chunk) and samples one row
-may carry drafts: the proposer's guesses at the tokens after it. The scheduler gives them
-tentative slots (`BlockTable.append_tentative_slots`), the model computes logits at every
-drafted position in the same pass, the sampler chooses a token at each as if the earlier
+A decode chunk (one new token, sampled once) may carry drafts: the proposer's guesses at the
+tokens after it. The scheduler gives them tentative slots
+(`BlockTable.append_tentative_slots`), the model computes logits at every drafted position in
+the same pass, the sampler chooses a token at each as if the earlier
 drafts were already the sequence's, and the longest prefix of drafts the sampler agreed with
 is accepted, plus the sampler's token after it (`accepted_length`). So greedy output is the
 same token for token, and sampled output follows the same distribution: each token is drawn
@@ -16,8 +16,8 @@ are kept (a accepted drafts): `verified` rewinds the request's generator to wher
 draws a + 1 again, so a seeded request's tokens are the same with speculation or without.
 
 Left out of drafting (they decode one token at a time): requests with a grammar (structured
-outputs), a request's prompt that still forks into n completions, chunks owed prompt
-logprobs, and tokens past `max_tokens` or the model's length.
+outputs), prompt chunks (a request's first token comes from its prefill), and tokens past
+`max_tokens` or the model's length.
 """
 
 from __future__ import annotations
@@ -107,8 +107,10 @@ class Speculator(NoSpeculation):
         """How many drafts the chunk may carry (0: none)."""
         seq = chunk.seq
         request = seq.request
-        if (chunk.num_samples != 1 or request.needs_fork or request.matchers
-                or chunk.prompt_logprob_positions):
+        # Decodes only: a prompt's last chunk runs the prefill kernels, and a draft verified
+        # there would be computed otherwise than the decode that would have produced it.
+        if (chunk.num_new_tokens != 1 or chunk.num_samples != 1 or request.needs_fork
+                or request.matchers):
             return 0
         params = request.params
         room = self.config.num_speculative_tokens

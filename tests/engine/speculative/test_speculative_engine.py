@@ -8,9 +8,9 @@ no trace in KV memory (the engine's invariants are checked after every step).
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS, run_all, token_ids
 
 from kvpool.engine.sampling_params import SamplingParams
+from tests.engine.conftest import PROMPTS, run_all, token_ids
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
