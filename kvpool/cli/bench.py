@@ -145,7 +145,8 @@ def add_speculative_args(parser: Parser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32], metavar="N",
                         help="requests in flight, one run per N (default 1 4 32)")
     parser.add_argument("--num-prompts", type=int, default=None,
-                        help="requests per run (default max(8, 2 x concurrency))")
+                        help="requests per run (default 8 x concurrency up to 64, at least "
+                        "2 x concurrency)")
     parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3, 5, 8],
                         metavar="K", help="one n-gram setting per K, beside off (default 3 5 8)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4,

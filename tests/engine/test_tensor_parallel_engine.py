@@ -4,7 +4,8 @@ A tiny random Llama saved as a safetensors checkpoint (4 heads, 2 KV heads: tp=2
 both) so both engines load the same weights, rank r reading its slices; fp32, greedy, so
 outputs must be token-identical. One tp=2 engine (a small pool, small chunks: prefill is
 chunked, sequences are preempted and recomputed, prefixes are cached) serves the equivalence
-tests and is closed by the last test; the start-up, fault and 8B tests build their own first.
+tests and is closed by its last test; the start-up, fault and 8B tests build their own first,
+and the speculative-decoding test its own after.
 Only one tensor-parallel engine lives in a process at a time (the default process group is
 process-global), so the order of this file matters.
 """
@@ -20,6 +21,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
@@ -233,3 +235,39 @@ def test_close_leaves_no_worker_alive(engines):
     engines[2].close()  # idempotent
     assert_gone(pids)
     assert multiprocessing.active_children() == []
+
+
+# ------------------------------------------------------------ tp=2 with drafts
+@pytest.fixture(scope="module")
+def bigram_checkpoint(tmp_path_factory) -> str:
+    """The tiny checkpoint with its layers' outputs scaled down: each token's logits then lean
+    on the token itself, so greedy answers revisit earlier n-grams and some drafts are right
+    (the full-strength random model's never are)."""
+    path = save_hf_checkpoint(tmp_path_factory.mktemp("tp_spec") / "tiny",
+                              presets.preset("tiny"))
+    weights = load_file(str(path / "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = tensor * 0.1
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_speculative_drafts_at_tp2_give_tp1s_tokens(bigram_checkpoint):
+    # The workers run the step the runner prepared, drafted rows included: tp=2 with prompt
+    # lookup must give tp=1's tokens without it.
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                   "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(model=bigram_checkpoint, **OPTIONS))
+    expected = run_all(reference, PROMPTS, params)
+    reference.close()
+    engine = LLMEngine(EngineConfig(model=bigram_checkpoint, tensor_parallel_size=2,
+                                    speculative_config=speculative, **PATIENT, **OPTIONS))
+    try:
+        assert run_all(engine, PROMPTS, params) == expected
+        spec = engine.stats().spec_decode
+        assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
+        assert engine.memory_stats().num_used_blocks == 0
+    finally:
+        engine.close()
