@@ -14,6 +14,10 @@ The lookup costs O(new tokens) a step, not a rescan of the context: each sequenc
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.engine.sequence import Sequence as Seq
 
 TokenRange = Callable[[int, int], Sequence[int]]  # (start, end) -> the context's tokens there
 
@@ -45,27 +49,36 @@ class NgramIndex:
     def propose(self, tokens: TokenRange, num_tokens: int, k: int) -> list[int]:
         """Up to `k` tokens that followed the longest matching suffix's latest earlier
         occurrence in the first `num_tokens` tokens; [] when none matches."""
+        return self.match(tokens, num_tokens, k)[1]
+
+    def match(self, tokens: TokenRange, num_tokens: int, k: int) -> tuple[int, list[int]]:
+        """`propose`'s drafts with the length of the suffix that matched (0: none)."""
         self.learn(tokens, num_tokens - 1)  # the suffix itself is not its own match
         suffix = tokens(max(num_tokens - self.max_n, 0), num_tokens)
         for n in range(min(self.max_n, len(suffix)), self.min_n - 1, -1):
             start = self._next.get(tuple(suffix[len(suffix) - n:]))
             if start is not None:
-                return list(tokens(start, min(start + k, num_tokens)))
-        return []
+                return n, list(tokens(start, min(start + k, num_tokens)))
+        return 0, []
 
 
 class NgramProposer:
-    """Drafts for many sequences: one `NgramIndex` per sequence id, forgotten at its end."""
+    """Drafts for many sequences: one `NgramIndex` per sequence, forgotten at its end."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[int, NgramIndex] = {}
 
-    def propose(self, seq_id: int, tokens: TokenRange, num_tokens: int, k: int) -> list[int]:
-        index = self._indexes.get(seq_id)
-        if index is None:
-            index = self._indexes[seq_id] = NgramIndex(self.min_n, self.max_n)
-        return index.propose(tokens, num_tokens, k)
+    def propose(self, seq: Seq, k: int) -> list[int]:
+        """Up to `k` drafts for `seq`'s next tokens ([]: no match)."""
+        return self.match(seq, k)[1]
 
-    def forget(self, seq_id: int) -> None:
-        self._indexes.pop(seq_id, None)
+    def match(self, seq: Seq, k: int) -> tuple[int, list[int]]:
+        """`propose`'s drafts with the length of the context suffix that matched."""
+        index = self._indexes.get(seq.seq_id)
+        if index is None:
+            index = self._indexes[seq.seq_id] = NgramIndex(self.min_n, self.max_n)
+        return index.match(seq.token_ids, seq.num_tokens, k)
+
+    def forget(self, seq: Seq) -> None:
+        self._indexes.pop(seq.seq_id, None)

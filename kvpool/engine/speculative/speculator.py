@@ -29,7 +29,7 @@ import torch
 
 from kvpool.engine.config.speculative import SpeculativeConfig
 from kvpool.engine.speculative.adaptive import Acceptance, StepCostModel, choose_draft_lengths
-from kvpool.engine.speculative.ngram import NgramProposer
+from kvpool.engine.speculative.proposers import make_proposer
 from kvpool.engine.speculative.stats import SpecDecodeCounters, SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class Speculator(NoSpeculation):
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = make_proposer(config)
         self.cost = StepCostModel()
         self.counters = SpecDecodeCounters()
         self._acceptance: dict[int, Acceptance] = {}  # seq_id -> its record
@@ -94,7 +94,7 @@ class Speculator(NoSpeculation):
             room = min(self._room(chunk), token_budget)
             if room > 0:
                 seq = chunk.seq
-                drafts = self.proposer.propose(seq.seq_id, seq.token_ids, seq.num_tokens, room)
+                drafts = self.proposer.propose(seq, room)
                 if drafts:
                     guesses[index] = drafts
         for index, chunk in enumerate(chunks):  # only sequences that drafted have a record
@@ -167,7 +167,7 @@ class Speculator(NoSpeculation):
         return record
 
     def forget(self, seq: Sequence) -> None:
-        self.proposer.forget(seq.seq_id)
+        self.proposer.forget(seq)
         self._acceptance.pop(seq.seq_id, None)
         self._rewind.pop(seq.seq_id, None)
 

@@ -3,6 +3,8 @@ would, however the context grows."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +52,8 @@ def test_incremental_lookup_equals_a_rescan(tokens, steps, bounds, k):
     for step in steps:  # the context grows by a few tokens between lookups
         end = min(end + step, len(tokens))
         context = tokens[:end]
-        got = proposer.propose(0, _slicer(tokens), end, k)
+        got = proposer.propose(SimpleNamespace(seq_id=0, token_ids=_slicer(tokens),
+                                               num_tokens=end), k)
         assert got == rescan(context, min_n, max_n, k)
 
 

@@ -26,6 +26,16 @@ def test_vllm_defaults_for_the_lookup_bounds():
     assert EngineConfig().scheduling.speculative_config is None
 
 
+def test_suffix_takes_vllms_fields_and_defaults():
+    config = speculative(method="suffix")
+    assert config.num_speculative_tokens == config.suffix_decoding_max_tree_depth == 24
+    assert (config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob) == (10000, 1.0, 0.1)
+    assert SpeculativeConfig.from_dict(config.as_dict()) == config
+    assert "suffix_decoding_max_tree_depth" not in speculative(
+        method="ngram", num_speculative_tokens=3).as_dict()
+
+
 @pytest.mark.parametrize(("given", "message"), [
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
@@ -33,7 +43,9 @@ def test_vllm_defaults_for_the_lookup_bounds():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
       "prompt_lookup_max": 2}, "must not exceed"),
     ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model'"),
-    ({"method": "suffix", "num_speculative_tokens": 2}, "'suffix'"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "probability in"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "positive number"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "at least 2"),
     ({"method": "beam", "num_speculative_tokens": 2}, "must be one of"),
 ])
 def test_bad_settings_are_refused_by_name(given, message):

@@ -136,3 +136,43 @@ def test_tentative_blocks_are_traced_and_never_published(make_engine, tmp_path):
     num_tokens = len(engine.tokenizer.encode(GROUNDED[0])) + 40
     # Only the committed tokens' full blocks were published.
     assert stats.num_cached_blocks - cached_before <= num_tokens // 4
+
+
+# ------------------------------------------------------------ suffix decoding
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
+_CHAT = "Once upon a time"  # nothing in the prompt to copy
+
+
+def test_suffix_decoding_drafts_from_the_tenants_earlier_answers(make_engine):
+    params = SamplingParams(temperature=0, max_tokens=32)
+    engine = make_engine(speculative_config=SUFFIX)
+    first = run_checked(engine, [_CHAT], [params])
+    before = engine.stats().spec_decode.num_accepted_tokens
+    again = run_checked(engine, [_CHAT], [params])
+    gained = engine.stats().spec_decode.num_accepted_tokens - before
+    assert token_ids(again) == token_ids(first) == token_ids(run_checked(make_engine(),
+                                                                         [_CHAT], [params]))
+    assert gained >= 20  # the second answer came almost whole from the first one's
+
+
+def test_suffix_decoding_never_drafts_from_another_tenants_answers(make_engine):
+    params = SamplingParams(temperature=0, max_tokens=32)
+    engine = make_engine(speculative_config=SUFFIX)
+    engine.add_request(_CHAT, params, cache_salt="tenant-a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = engine.stats().spec_decode.num_accepted_tokens
+    engine.add_request(_CHAT, params, cache_salt="tenant-b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Only tenant b's own context could draft; with nothing to copy it gains little, against
+    # the ~30 tokens tenant a's answer would give.
+    assert engine.stats().spec_decode.num_accepted_tokens - before < 10
+
+
+def test_suffix_decoding_gives_the_same_tokens_on_grounded_batches(make_engine):
+    prompts = GROUNDED + PROMPTS[:4]
+    params = [SamplingParams(temperature=0, max_tokens=24) for _ in prompts]
+    plain = run_checked(make_engine(), prompts, params)
+    drafted = run_checked(make_engine(speculative_config=SUFFIX), prompts, params)
+    assert token_ids(drafted) == token_ids(plain)
