@@ -12,6 +12,9 @@ their PyTorch references elsewhere (the references are also the kernels' test or
   dequantized into x's dtype and multiplied by torch's GEMM, so that a compute-bound matmul
   runs at the float GEMM's speed with the dequantized model's accuracy.
 
+Within a step, decode rows always take the integer kernel and only the prompt rows are
+counted (`kvpool.kernels.decode_rows`): a row's result never depends on its neighbours.
+
 `csrc/quant_layout.h` documents the layout: rows in panels of 16, each quad of k holding the
 panel's 16 rows × 4 codes together, so one vector load feeds an AVX-512 VNNI multiply-add
 whose lanes are output rows.
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.kernels.cpu_kernels import cpu_kernels_available
+from kvpool.kernels.decode_rows import current_decode_rows
 from kvpool.kernels.group_quant import GroupQuantized
 
 PANEL = 16  # output rows a panel
@@ -176,14 +180,47 @@ def dequantizes(num_tokens: int) -> bool:
 
 
 def quant_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    """x Wᵀ for `x` `[M, cols]` (any leading dimensions flattened). # [..., rows]"""
+    """x Wᵀ for `x` `[M, cols]` (any leading dimensions flattened). # [..., rows]
+
+    A step's decode rows (`kvpool.kernels.decode_rows`) always take the integer kernel, and
+    its prompt rows the kernel their own count picks, so no row's result depends on what else
+    shares the step."""
     flat = x.reshape(-1, weight.cols)
-    dequantize = dequantizes(flat.shape[0])
+    num_rows = flat.shape[0]
+    if not dequantizes(num_rows):  # no part could dequantize: one integer kernel for all
+        return _matmul(flat, weight, dequantize=False).reshape(*x.shape[:-1], weight.rows)
+    decodes = current_decode_rows()
+    if isinstance(decodes, int):  # the first `decodes` rows
+        decodes = min(decodes, num_rows)
+        if not dequantizes(num_rows - decodes):
+            out = _matmul(flat, weight, dequantize=False)
+        elif decodes == 0:
+            out = _matmul(flat, weight, dequantize=True)
+        else:
+            out = torch.cat((_matmul(flat[:decodes], weight, dequantize=False),
+                             _matmul(flat[decodes:], weight, dequantize=True)))
+    else:  # a mask of decode rows among others
+        out = _split_by_mask(flat, weight, decodes)
+    return out.reshape(*x.shape[:-1], weight.rows)
+
+
+def _split_by_mask(flat: torch.Tensor, weight: PackedWeight, is_decode: torch.Tensor
+                   ) -> torch.Tensor:
+    prompts = ~is_decode
+    if not dequantizes(int(prompts.sum())):
+        return _matmul(flat, weight, dequantize=False)
+    if not bool(is_decode.any()):
+        return _matmul(flat, weight, dequantize=True)
+    out = flat.new_empty(flat.shape[0], weight.rows)
+    out[is_decode] = _matmul(flat[is_decode], weight, dequantize=False)
+    out[prompts] = _matmul(flat[prompts], weight, dequantize=True)
+    return out
+
+
+def _matmul(flat: torch.Tensor, weight: PackedWeight, dequantize: bool) -> torch.Tensor:
     if is_served(flat):
         kernel = (torch.ops.kvpool_cpu.dequant_matmul if dequantize
                   else torch.ops.kvpool_cpu.quant_matmul)
-        out = kernel(flat.contiguous(), weight.data, weight.bits, weight.group, weight.rows)
-    else:
-        reference = dequant_matmul_reference if dequantize else quant_matmul_reference
-        out = reference(flat, weight)
-    return out.reshape(*x.shape[:-1], weight.rows)
+        return kernel(flat.contiguous(), weight.data, weight.bits, weight.group, weight.rows)
+    reference = dequant_matmul_reference if dequantize else quant_matmul_reference
+    return reference(flat, weight)

@@ -41,6 +41,7 @@ from torch import nn
 from kvpool.attention.backend import AttentionBackend
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.kernels import fused
+from kvpool.kernels.decode_rows import leading_decode_rows
 from kvpool.kernels.group_quant import GroupQuantized
 from kvpool.model.config import ModelConfig
 from kvpool.model.fused_weights import split_fused
@@ -225,13 +226,17 @@ class LlamaModel(nn.Module):
         hidden = self._embed(token_ids).mul_(self.embedding_multiplier)  # [tokens, hidden]
         rotaries = self.rope_tables.for_step(positions)  # one per layer
         residual = None
-        for layer, rotary in zip(self.layers, rotaries, strict=True):
-            hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata, kv_scales)
+        num_decodes = metadata.num_decode_seqs  # decode rows lead the step: one token each
+        with leading_decode_rows(num_decodes):
+            for layer, rotary in zip(self.layers, rotaries, strict=True):
+                hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata,
+                                         kv_scales)
         # The final norm is per row: select the rows that need logits first.
         hidden, residual = hidden[logits_indices], residual[logits_indices]
         self.norm.add_(hidden, residual)
         # Gathered in the model's dtype (half the bytes for bf16); concatenation is exact.
-        logits = self.tp.gather_last_dim(self.lm_head(hidden))  # [num_samples, vocab_size]
+        with leading_decode_rows(lambda: logits_indices < num_decodes):
+            logits = self.tp.gather_last_dim(self.lm_head(hidden))  # [num_samples, vocab]
         if logits is None:
             return None
         cap = self.config.final_logit_softcapping
