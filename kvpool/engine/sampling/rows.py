@@ -39,6 +39,16 @@ class TokenMask(Protocol):
         """Advance by the chosen token; False if the grammar does not allow it."""
         ...
 
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted so far (the sequence's outputs between steps)."""
+        ...
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended: no token is accepted after this."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
@@ -51,6 +61,9 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # stop tokens while below min_tokens
     matcher: TokenMask | None = None  # the sequence's grammar (structured outputs)
     rules: TokenRules = NO_TOKEN_RULES  # the request's logit bias, allowed ids, bad words
+    # A verification row: the drafts before it. `output_token_ids` end with them only where
+    # penalties or bad words read them; the grammar walks its matcher through them.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> list[SamplingRow]:
@@ -71,5 +84,5 @@ def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> lis
         rows.append(SamplingRow(params, seq.prompt_token_ids, outputs,
                                 request.generators[index], banned,
                                 request.matchers[index] if request.matchers else None,
-                                request.token_rules))
+                                request.token_rules, tuple(drafts)))
     return rows
