@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from kvpool.engine.config.speculative import SpeculativeConfig
-from kvpool.engine.sampling.constraints import advance_grammars, fill_grammar_rows
+from kvpool.engine.sampling.constraints import (
+    advance_grammars,
+    bitmask_penalty,
+    fill_grammar_rows,
+)
 from kvpool.engine.sampling.grammar import GrammarCompiler
 from kvpool.engine.sampling.rows import SamplingRow
 from kvpool.engine.sampling_params import SamplingParams
@@ -78,7 +82,7 @@ def test_the_proposal_cuts_drafts_the_grammar_rejects_and_leaves_the_matcher_alo
     matcher = compiler.compile(StructuredOutputsParams(choice=CHOICES)).new_matcher()
     before = allowed_mask(matcher, compiler.bitmask_width)
     drafts = speculator().propose([decoding_chunk(prompt, matcher)], 64, 1)
-    expected = answer + [eos] if ending == "terminated" else answer
+    expected = [*answer, eos] if ending == "terminated" else answer
     assert drafts == {0: expected}
     assert matcher.num_accepted == 0 and not matcher.is_terminated and not matcher.is_rejected
     assert torch.equal(allowed_mask(matcher, compiler.bitmask_width), before)
@@ -113,27 +117,28 @@ def test_each_verification_row_is_masked_after_the_drafts_before_it(compiler, vo
         assert torch.equal(bitmask[row], allowed_mask(walker, compiler.bitmask_width)[0])
         if row < len(answer):
             walker.accept(answer[row])
-    allowed_last = torch.nonzero(bitmask[-1] != 0).flatten().tolist()
-    assert allowed_last == [eos // 32]  # after the whole answer, only EOS
+    is_allowed = torch.isfinite(bitmask_penalty(bitmask[-1:], compiler.vocab_size))[0]
+    assert is_allowed.nonzero().flatten().tolist() == [eos]  # after the whole answer
 
 
-@pytest.mark.parametrize("num_agreed", [0, 2])
-def test_the_sampler_advances_the_grammar_by_the_kept_tokens_only(compiler, vocab, num_agreed):
-    """Drafts "yes please"; the sampler chose "no" at once (then anything: not kept), or both
-    drafts and EOS after them."""
+@pytest.mark.parametrize("agrees", [False, True])
+def test_the_sampler_advances_the_grammar_by_the_kept_tokens_only(compiler, vocab, agrees):
+    """Drafts "yes please"; the sampler chose "no" at once (the rows after it choose tokens
+    the grammar would reject: they are not kept), or every draft and EOS after them."""
     encode, eos = vocab
     drafts = encode(CHOICES[0])
     matcher = compiler.compile(StructuredOutputsParams(choice=CHOICES)).new_matcher()
     junk = encode(" maybe")[0]
-    chosen = [encode("no")[0], junk, junk] if num_agreed == 0 else [*drafts, eos]
+    chosen = [*drafts, eos] if agrees else [encode("no")[0], *[junk] * len(drafts)]
     advance_grammars(verification_rows(matcher, drafts), chosen)
-    assert matcher.num_accepted == num_agreed + 1 and not matcher.is_rejected
-    assert matcher.is_terminated == (num_agreed == 2)
+    num_kept = len(drafts) + 1 if agrees else 1
+    assert matcher.num_accepted == num_kept and not matcher.is_rejected
+    assert matcher.is_terminated == agrees
 
 
 def test_a_grammar_that_ends_with_a_draft_takes_no_token_after_it(compiler, vocab):
     encode, eos = vocab
-    drafts = encode(CHOICES[1]) + [eos]
+    drafts = [*encode(CHOICES[1]), eos]
     matcher = compiler.compile(StructuredOutputsParams(choice=CHOICES)).new_matcher()
     advance_grammars(verification_rows(matcher, drafts), drafts + encode(" more"))
     assert matcher.num_accepted == len(drafts) and matcher.is_terminated
