@@ -14,8 +14,8 @@ never walks a request's dict or lists in Python, so their sizes cost the step ne
 Grammar matchers advance here, on the sampling side, by the token chosen for their row
 (`advance_grammars`), so a matcher is always at its row's next token when the stop rules read
 it (`kvpool.engine.requests.output_processor`: a rejected token or a terminated grammar stops the
-sequence). A step rolled back after the sampler ran leaves its matchers one token ahead; the
-next fill rewinds them to the tokens their sequence really has.
+sequence). A step rolled back after the sampler ran leaves its matchers ahead (by the tokens it
+would have kept); the next fill rewinds them to the tokens their sequence really has.
 
 Speculative drafts meet the grammar three times, each leaving the matcher invariant intact
 (between steps it has accepted exactly its sequence's outputs):

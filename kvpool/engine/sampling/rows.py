@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 class TokenMask(Protocol):
     """What the sampler needs of a grammar matcher (`grammar.GrammarMatcher` here): the
     sampler fills its row of the bitmask before choosing, and advances it by the chosen token
-    after."""
+    after. A drafted chunk's rows walk it through the drafts between fills and rewind it
+    (`constraints.fill_grammar_rows`); the speculator walks and rewinds it to cut drafts."""
 
     def rewind_to(self, num_tokens: int) -> None:
         """Forget tokens accepted beyond the first `num_tokens` outputs (a step rolled back

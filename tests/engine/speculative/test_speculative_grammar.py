@@ -245,3 +245,16 @@ def test_a_grammar_that_ends_among_the_kept_tokens_stops_the_sequence_there(
     assert output.text == SENTENCES[0] and output.token_ids[-1] == eos
     num_before, _, num_accepted = verifications[drafted[0].request_id][-1]
     assert num_accepted > 0 and num_before + num_accepted == len(output.token_ids)
+
+
+def test_seeded_structured_sampling_is_identical_with_drafts(make_engine, smollm2):
+    """Random rows under a grammar: each verification row draws from the masked distribution
+    its token would meet without drafts, and the seeded stream is rewound to the kept draws."""
+    requests = [(prompt, SamplingParams(temperature=0.8, seed=11 + i, max_tokens=48,
+                                        structured_outputs=params.structured_outputs))
+                for i, (prompt, params) in enumerate(copy_requests(smollm2))
+                if params.structured_outputs is not None]
+    plain, _ = run(make_engine(), requests)
+    drafted, verifications = run(make_engine(speculative_config=NGRAM), requests)
+    assert completions(drafted) == completions(plain)
+    assert sum(entry[2] for entries in verifications.values() for entry in entries) > 0
