@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-
 from collections.abc import Callable, Iterator
 
 import pytest

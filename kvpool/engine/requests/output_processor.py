@@ -95,24 +95,26 @@ class OutputProcessor:
     ) -> StopDecision | None:
         """Record the token `seq` just got (already appended to it); return why the sequence
         stops, or None. A structured sequence's grammar, already advanced by the sampler, is
-        read: a token it rejected (only possible when it masked every token) stops the
-        sequence, and so does a grammar that has ended (its stop token accepted where EOS does
-        not stop, e.g. ignore_eos)."""
+        read at this token (after a verification it has accepted all the kept tokens before
+        they join one by one): a token it rejected (only possible when it masked every token)
+        stops the sequence, and so does a grammar that ended with this token or before (its
+        stop token accepted where EOS does not stop, e.g. ignore_eos)."""
         params = seq.request.params
         state = self._state(seq)
         if state.logprobs is not None and logprobs is not None:
             state.logprobs.append(self._decorate(logprobs))
             state.cumulative_logprob += logprobs[token_id].logprob
-        if seq.matcher is not None and seq.matcher.is_rejected:
+        num_outputs = len(seq.output_token_ids)
+        if seq.matcher is not None and seq.matcher.has_rejected(num_outputs):
             logger.warning("request %s: its grammar rejected token %d (every token was masked)"
                            "; stopping", seq.request.request_id, token_id)
             return FinishReason.STOP, None
-        may_stop = len(seq.output_token_ids) >= params.min_tokens
+        may_stop = num_outputs >= params.min_tokens
         if may_stop and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
         if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP, None
-        if seq.matcher is not None and seq.matcher.is_terminated:
+        if seq.matcher is not None and seq.matcher.has_ended(num_outputs):
             return FinishReason.STOP, None
         delta = state.detokenizer.add(token_id) if state.detokenizer is not None else ""
         state.text += delta

@@ -14,8 +14,18 @@ never walks a request's dict or lists in Python, so their sizes cost the step ne
 Grammar matchers advance here, on the sampling side, by the token chosen for their row
 (`advance_grammars`), so a matcher is always at its row's next token when the stop rules read
 it (`kvpool.engine.requests.output_processor`: a rejected token or a terminated grammar stops the
-sequence). A step rolled back after the sampler ran leaves its matchers one token ahead; the
-next fill rewinds them to the tokens their sequence really has.
+sequence). A step rolled back after the sampler ran leaves its matchers ahead (by the tokens it
+would have kept); the next fill rewinds them to the tokens their sequence really has.
+
+Speculative drafts meet the grammar three times, each leaving the matcher invariant intact
+(between steps it has accepted exactly its sequence's outputs):
+- at proposal, `grammar_draft_prefix` cuts the drafts to the longest prefix the grammar
+  accepts (ending at a draft that ends the grammar), walking the matcher and rewinding it;
+- at verification, row i of a drafted chunk is masked by the grammar after the outputs and
+  drafts[:i] (`fill_grammar_rows` accepts one draft between rows, then rewinds);
+- after sampling, `advance_grammars` accepts exactly the tokens the sequence keeps: the drafts
+  the sampler agreed with and its token after them (none past a grammar's end), so the stop
+  rules read each kept token's state as it joins the sequence.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from kvpool.engine.sampling.rows import SamplingRow
+from kvpool.engine.sampling.rows import SamplingRow, TokenMask
 
 _BITS_PER_WORD = 32  # the grammar bitmask is int32: bit t % 32 of word t // 32 is token t
 
@@ -38,34 +48,79 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -
     turned into 0 / -inf and added to all constrained rows by one op. Unconstrained rows are
     never touched; a batch without constrained rows returns at once.
     """
-    constrained = [(index, row.matcher) for index, row in enumerate(rows)
-                   if row.matcher is not None]
+    constrained = [index for index, row in enumerate(rows) if row.matcher is not None]
     if not constrained:
         return
-    for index, matcher in constrained:
-        matcher.rewind_to(len(rows[index].output_token_ids))
     num_rows, vocab_size = logits.shape
     num_words = -(-vocab_size // _BITS_PER_WORD)
     bitmask = torch.full((len(constrained), num_words), -1, dtype=torch.int32)  # all allowed
-    needs_apply = [matcher.fill(bitmask, position)
-                   for position, (_, matcher) in enumerate(constrained)]
-    if not any(needs_apply):
+    if not any(fill_grammar_rows(bitmask, [rows[index] for index in constrained])):
         return
     penalty = bitmask_penalty(bitmask.to(logits.device), vocab_size)
     if len(constrained) == num_rows:
         logits.add_(penalty)
     else:
-        row_ids = torch.tensor([index for index, _ in constrained], device=logits.device)
+        row_ids = torch.tensor(constrained, device=logits.device)
         logits.index_add_(0, row_ids, penalty)
 
 
+def fill_grammar_rows(bitmask: torch.Tensor, rows: SequenceOf[SamplingRow]) -> list[bool]:
+    """Fill `bitmask[i]` with the tokens the i-th row's grammar allows next (every row has a
+    matcher); per row, whether it forbids anything.
+
+    A row's matcher stands after the sequence's outputs, and for a verification row after the
+    drafts before it too. A drafted chunk's rows come one after another with 0, 1, ..., k
+    drafts, so its matcher accepts one draft between two rows; afterwards every matcher is
+    rewound to its sequence's outputs (the invariant the sampler's advance starts from).
+    """
+    needs_apply = []
+    for position, row in enumerate(rows):
+        drafts = row.draft_token_ids
+        if drafts:  # the chunk's previous row was filled after drafts[:-1]
+            is_accepted = row.matcher.accept(drafts[-1])
+            assert is_accepted, "a draft the grammar rejects was not cut at proposal"
+        else:  # also undoes a step rolled back after its sampling
+            row.matcher.rewind_to(len(row.output_token_ids))
+        needs_apply.append(row.matcher.fill(bitmask, position))
+    for row in rows:
+        if not row.draft_token_ids:  # every drafted chunk has one such row, its first
+            row.matcher.rewind_to(len(row.output_token_ids))
+    return needs_apply
+
+
 def advance_grammars(rows: SequenceOf[SamplingRow], token_ids: SequenceOf[int]) -> None:
-    """Advance each constrained row's matcher by the token chosen for it. A token the grammar
-    rejects (possible only when it had masked every token) leaves the matcher marked, and the
-    stop rules end the sequence."""
+    """Advance each constrained row's matcher by the token its sequence keeps. A token the
+    grammar rejects (possible only when it had masked every token) leaves the matcher marked,
+    and the stop rules end the sequence.
+
+    A verification row's token is kept while the chunk's earlier rows chose its drafts (the
+    rule of `kvpool.engine.speculative.accepted_length`): row i's, when row i - 1's token was
+    kept and equals the draft before row i. A grammar that ended with an accepted draft takes
+    no token after it: its sequence stops at that draft.
+    """
+    is_kept, previous = False, None
     for row, token_id in zip(rows, token_ids, strict=True):
-        if row.matcher is not None:
+        drafts = row.draft_token_ids
+        is_kept = not drafts or (is_kept and previous == drafts[-1])
+        previous = token_id
+        if is_kept and row.matcher is not None and not row.matcher.is_terminated:
             row.matcher.accept(token_id)
+
+
+def grammar_draft_prefix(matcher: TokenMask, num_outputs: int,
+                         drafts: SequenceOf[int]) -> list[int]:
+    """The longest prefix of `drafts` the grammar accepts after the sequence's `num_outputs`
+    outputs, ending at a draft that ends the grammar (nothing can follow it). The matcher
+    walks through the drafts and is rolled back: it ends at the sequence's outputs, where it
+    stands between steps."""
+    matcher.rewind_to(num_outputs)  # a no-op but after a step rolled back past its sampling
+    num_allowed = 0
+    for draft in drafts:
+        if matcher.is_terminated or not matcher.accept(draft):
+            break
+        num_allowed += 1
+    matcher.rewind_to(num_outputs)
+    return list(drafts[:num_allowed])
 
 
 def bitmask_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

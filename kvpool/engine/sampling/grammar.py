@@ -16,9 +16,10 @@ core busy); the server compiles that way. `lookup(spec)` is the cache alone.
 tokens into a row of an int32 bitmask (bit `t % 32` of word `t // 32` set: token t allowed),
 `accept` advances by the sampled token; the sampler does both (`kvpool.engine.sampling`). A
 matcher moves forward with the sequence's output tokens, which preemption (recompute or swap)
-keeps, so its state stays valid across preemptions; it moves back only to undo a step that was
-rolled back after sampling (`rewind_to`). Token ids the model has beyond the tokenizer's are
-never allowed.
+keeps, so its state stays valid across preemptions; it moves back (`rewind_to`, xgrammar's
+rollback) to undo a step that was rolled back after sampling, and after walking through
+speculative drafts (cutting them at proposal, masking their verification rows). Token ids the
+model has beyond the tokenizer's are never allowed.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ _INVALID = {
 class GrammarMatcher:
     """One sequence's state in its grammar (an xgrammar matcher), advanced token by token by
     the sampler (`kvpool.engine.sampling.constraints.advance_grammars`) and read by the stop
-    rules (`is_rejected`, `is_terminated`).
+    rules (`has_rejected`, `has_ended`).
 
     Invariant: `num_accepted` counts the tokens the xgrammar matcher has accepted; it equals
     the sequence's output tokens between steps, or is one less once the grammar rejected a
     token (the sequence then stops), and runs ahead only after a step that was rolled back,
-    until `rewind_to` brings it back."""
+    until `rewind_to` brings it back. Within a step it also runs ahead while a verification's
+    kept tokens join the sequence one by one: the stop rules therefore ask about the
+    sequence's first n outputs, not about the matcher's latest token."""
 
     __slots__ = ("_matcher", "is_rejected", "num_accepted")
 
@@ -110,6 +113,16 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token (EOS) has been accepted."""
         return self._matcher.is_terminated()
+
+    def has_rejected(self, num_outputs: int) -> bool:
+        """The sequence's `num_outputs`-th output token is one the grammar rejected (the
+        tokens before it were accepted, so the rejection is that token's)."""
+        return self.is_rejected and self.num_accepted == num_outputs - 1
+
+    def has_ended(self, num_outputs: int) -> bool:
+        """The grammar ended within the sequence's first `num_outputs` output tokens (nothing
+        is accepted after its end, so `num_accepted` is where it ended)."""
+        return self._matcher.is_terminated() and self.num_accepted <= num_outputs
 
 
 @dataclass(frozen=True, eq=False, slots=True)

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 class TokenMask(Protocol):
     """What the sampler needs of a grammar matcher (`grammar.GrammarMatcher` here): the
     sampler fills its row of the bitmask before choosing, and advances it by the chosen token
-    after."""
+    after. A drafted chunk's rows walk it through the drafts between fills and rewind it
+    (`constraints.fill_grammar_rows`); the speculator walks and rewinds it to cut drafts."""
 
     def rewind_to(self, num_tokens: int) -> None:
         """Forget tokens accepted beyond the first `num_tokens` outputs (a step rolled back
@@ -39,6 +40,16 @@ class TokenMask(Protocol):
         """Advance by the chosen token; False if the grammar does not allow it."""
         ...
 
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted so far (the sequence's outputs between steps)."""
+        ...
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended: no token is accepted after this."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
@@ -51,6 +62,9 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # stop tokens while below min_tokens
     matcher: TokenMask | None = None  # the sequence's grammar (structured outputs)
     rules: TokenRules = NO_TOKEN_RULES  # the request's logit bias, allowed ids, bad words
+    # A verification row: the drafts before it. `output_token_ids` end with them only where
+    # penalties or bad words read them; the grammar walks its matcher through them.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> list[SamplingRow]:
@@ -71,5 +85,5 @@ def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> lis
         rows.append(SamplingRow(params, seq.prompt_token_ids, outputs,
                                 request.generators[index], banned,
                                 request.matchers[index] if request.matchers else None,
-                                request.token_rules))
+                                request.token_rules, tuple(drafts)))
     return rows

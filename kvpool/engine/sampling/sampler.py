@@ -20,8 +20,9 @@ Order of operations on each row (float32):
    back to the argmax of its finite logits rather than to whatever index argmax gives NaN.
    A row with every token forbidden gets an arbitrary token; its grammar matcher then
    rejects it and the sequence ends;
-6. each constrained row's grammar matcher advances by its chosen token (last, once the
-   logprobs are taken: nothing after it can fail).
+6. each constrained row's grammar matcher advances by its chosen token, or for a drafted
+   chunk's rows by the tokens the sequence keeps (the drafts the sampler agreed with and its
+   token after them); last, once the logprobs are taken: nothing after it can fail.
 
 Device: every tensor made here lives on the logits' device, and nothing in steps 2-5 reads a
 value back to the host, so `choose_token_ids` runs on any device (the tests run it on "meta");

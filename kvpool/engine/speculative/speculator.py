@@ -15,9 +15,14 @@ A seeded request draws one uniform per row; a verification draws k + 1 but only 
 are kept (a accepted drafts): `verified` rewinds the request's generator to where it stood and
 draws a + 1 again, so a seeded request's tokens are the same with speculation or without.
 
-Left out of drafting (they decode one token at a time): requests with a grammar (structured
-outputs), prompt chunks (a request's first token comes from its prefill), and tokens past
-`max_tokens` or the model's length.
+A request with a grammar (structured outputs) drafts too: its drafts are cut to the longest
+prefix the grammar accepts before they are sized (`grammar_draft_prefix`, which leaves the
+matcher where it stood), and the sampler masks each verification row with the grammar after
+the drafts before it (`kvpool.engine.sampling.constraints`).
+
+Left out of drafting (they decode one token at a time): prompt chunks (a request's first
+token comes from its prefill), a request's chunk before its n > 1 siblings are forked, and
+tokens past `max_tokens` or the model's length.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpool.engine.config.speculative import SpeculativeConfig
+from kvpool.engine.sampling.constraints import grammar_draft_prefix
 from kvpool.engine.speculative.adaptive import Acceptance, StepCostModel, choose_draft_lengths
 from kvpool.engine.speculative.proposers import make_proposer
 from kvpool.engine.speculative.stats import SpecDecodeCounters, SpecDecodeStats
@@ -95,6 +101,8 @@ class Speculator(NoSpeculation):
             if room > 0:
                 seq = chunk.seq
                 drafts = self.proposer.propose(seq, room)
+                if drafts and seq.matcher is not None:
+                    drafts = grammar_draft_prefix(seq.matcher, len(seq.output_token_ids), drafts)
                 if drafts:
                     guesses[index] = drafts
         for index, chunk in enumerate(chunks):  # only sequences that drafted have a record
@@ -109,8 +117,7 @@ class Speculator(NoSpeculation):
         request = seq.request
         # Decodes only: a prompt's last chunk runs the prefill kernels, and a draft verified
         # there would be computed otherwise than the decode that would have produced it.
-        if (chunk.num_new_tokens != 1 or chunk.num_samples != 1 or request.needs_fork
-                or request.matchers):
+        if chunk.num_new_tokens != 1 or chunk.num_samples != 1 or request.needs_fork:
             return 0
         params = request.params
         room = self.config.num_speculative_tokens

@@ -336,9 +336,15 @@ class AllowOnly:
     """A stand-in grammar matcher that allows only `token_ids` (the `TokenMask` protocol),
     recording the tokens it is advanced by."""
 
+    is_terminated = False
+
     def __init__(self, *token_ids: int) -> None:
         self.token_ids = token_ids
         self.accepted: list[int] = []
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
 
     def rewind_to(self, num_tokens: int) -> None:
         del self.accepted[num_tokens:]
