@@ -86,6 +86,8 @@ def format_engine_report(llm: LLM, outputs: list[RequestOutput], max_tokens: int
         f"{layout.bytes_per_block / 2**10:.0f} KiB{_scale_note(layout)}",
         f"peak blocks used                {stats.peak_used_blocks} of {pool.num_blocks} "
         f"({peak_bytes / 2**20:.1f} MiB)",
+        f"maximum concurrency             {pool.max_concurrency:.2f}x requests of "
+        f"{pool.max_model_len} tokens",
         f"prefix-cache hit rate           {hit_rate:.1%} ({cached} prompt tokens reused)",
         f"preemptions                     {stats.num_preemptions}",
         f"contiguous max-length KV        {contiguous_bytes / 2**20:.1f} MiB "

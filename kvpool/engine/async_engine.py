@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
+from kvpool.engine.memory_stats import MemoryStats
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.requests.prompt_limits import PromptLimits
 from kvpool.engine.requests.stream import RequestStream
 from kvpool.engine.sampling.grammar import GrammarCompiler
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.formats.kv_snapshot import KVSnapshot
-from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.tiers.kv_tiers import KVTierStats
 
@@ -57,7 +57,7 @@ class EngineClosedError(RuntimeError):
 class EngineSnapshot:
     """The engine's state between two steps, for metrics and status endpoints."""
 
-    memory: BlockPoolStats
+    memory: MemoryStats
     kv_pool: KVPoolStats  # online blocks, segments, grows/shrinks (elastic pools resize)
     stats: EngineStats
     kv_tiers: KVTierStats  # the host and disk tiers: blocks, spills, reloads

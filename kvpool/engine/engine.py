@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine_stats import EngineStats, PhaseClock, StepStats
 from kvpool.engine.kv_manager import KVCacheManager
+from kvpool.engine.memory_stats import MemoryStats
 from kvpool.engine.observability.recorder import KVRecorder
 from kvpool.engine.observability.snapshot import take_kv_snapshot
 from kvpool.engine.preemption import PreemptionPolicy
@@ -60,7 +61,6 @@ from kvpool.engine.setup import EngineParts, build_engine_parts, make_runner
 from kvpool.engine.speculative import make_speculator
 from kvpool.engine.warmup import warm_up
 from kvpool.formats.kv_snapshot import KVSnapshot
-from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.tiers.kv_tiers import KVTiers, KVTierStats
@@ -322,8 +322,11 @@ class LLMEngine:
                 yield seq.block_table
 
     # ------------------------------------------------------------ reporting
-    def memory_stats(self) -> BlockPoolStats:
-        return self.kv_memory.block_stats()
+    def memory_stats(self) -> MemoryStats:
+        """The block pool's snapshot, with the maximum concurrency at `max_model_len`."""
+        memory = self.kv_memory
+        return MemoryStats.of(memory.block_stats(), memory.layout, memory.max_num_blocks,
+                              self.max_model_len)
 
     def kv_pool_stats(self) -> KVPoolStats:
         """The KV memory: online blocks, segments, grows, shrinks, migrations, arena bytes."""

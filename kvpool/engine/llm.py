@@ -27,11 +27,11 @@ from tqdm.auto import tqdm
 from kvpool.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvpool.engine.chat_prompts import as_conversations, chat_prompts
 from kvpool.engine.engine import LLMEngine, PromptInput
+from kvpool.engine.memory_stats import MemoryStats
 from kvpool.engine.metrics_reader import LatencyRecorder, Metric, read_metrics
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpool.engine.vllm_compat import engine_config
-from kvpool.memory.block_pool import BlockPoolStats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,8 +69,9 @@ class LLM:
         with the fields the model's generation config sets (`generation_config`)."""
         return SamplingParams(**self.engine.default_sampling_params())
 
-    def memory_stats(self) -> BlockPoolStats:
-        """The block pool's snapshot: used, free, cached blocks, hits, evictions…"""
+    def memory_stats(self) -> MemoryStats:
+        """The block pool's snapshot: used, free, cached blocks, hits, evictions, and how many
+        `max_model_len`-token requests fit at once (`max_concurrency`)."""
         return self.engine.memory_stats()
 
     def generate(

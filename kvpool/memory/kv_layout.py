@@ -109,6 +109,11 @@ class KVLayout:
         """Blocks that hold `num_tokens` tokens: every block full but the last."""
         return cdiv(num_tokens, self.block_size)
 
+    def max_concurrency(self, num_blocks: int, max_model_len: int) -> float:
+        """How many requests of `max_model_len` tokens `num_blocks` blocks hold at once: vLLM's
+        "maximum concurrency", KV tokens / max_model_len (shorter requests fit more)."""
+        return num_blocks * self.block_size / max_model_len
+
     def slot(self, block_ids: Sequence[int], position: int) -> int:
         """The KV slot of the token at `position` of a sequence with these blocks."""
         size = self.block_size

@@ -2,8 +2,9 @@
 cache size and maximum concurrency: the model, its dtype, the KV cache's dtype, the KV pool's
 size in blocks and tokens, and how many requests of `max_model_len` tokens fit at once.
 
-Maximum concurrency is vLLM's figure: KV tokens / max_model_len (a request of the full length
-needs that many slots; shorter ones fit more). It counts the device pool only: a host tier
+Maximum concurrency is vLLM's figure, `memory_stats().max_concurrency` (its one owner is
+`KVLayout.max_concurrency`): KV tokens / max_model_len (a request of the full length needs that
+many slots; shorter ones fit more). It counts the device pool at its largest only: a host tier
 holds swapped-out requests, not running ones.
 """
 
@@ -23,14 +24,11 @@ class StartupSummary:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    max_concurrency: float
 
     @property
     def num_kv_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
-
-    @property
-    def max_concurrency(self) -> float:
-        return self.num_kv_tokens / self.max_model_len
 
     def line(self) -> str:
         return (f"model {self.model}, dtype {self.dtype}, KV cache dtype {self.kv_cache_dtype}; "
@@ -46,9 +44,10 @@ def startup_summary(engine: LLMEngine, model_name: str) -> StartupSummary:
         model=model_name,
         dtype=str(engine.dtype).removeprefix("torch."),
         kv_cache_dtype=pool.kv_cache_dtype,
-        num_kv_blocks=pool.num_blocks,
+        num_kv_blocks=pool.max_num_blocks,
         block_size=pool.block_size,
-        max_model_len=engine.max_model_len,
+        max_model_len=pool.max_model_len,
+        max_concurrency=pool.max_concurrency,
     )
 
 

@@ -15,7 +15,8 @@ def test_demo_generates_replies_and_reports_memory(capsys: pytest.CaptureFixture
     for question in DEMO_QUESTIONS:
         assert f"> {question}" in out
     report = out.split("== memory report", 1)[1]
-    for label in ("peak blocks used", "prefix-cache hit rate", "preemptions", "contiguous"):
+    for label in ("peak blocks used", "maximum concurrency", "prefix-cache hit rate",
+                  "preemptions", "contiguous"):
         assert label in report
     # the shared system prompt is served from the prefix cache after the first request
     hit_rate = float(report.split("prefix-cache hit rate")[1].split("%")[0])

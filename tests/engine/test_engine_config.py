@@ -93,6 +93,9 @@ def test_sections_check_their_own_options():
         SchedulingConfig(preemption_mode="never")
     with pytest.raises(ValueError, match="swap_space must be >= 0"):
         EngineConfig(swap_space=-1)
+    # A size string is the command line's to parse: the config says so, not a TypeError.
+    with pytest.raises(ValueError, match="kv_cache_memory must be an integer, got '64MiB'"):
+        EngineConfig(kv_cache_memory="64MiB")
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -81,7 +81,12 @@ def flag_name(name: str) -> str:
 
 
 def check_at_least_one(**values: int | None) -> None:
-    """ValueError naming the first of `values` (None: not given) below 1."""
+    """ValueError naming the first of `values` (None: not given) that is not an integer of at
+    least 1 (a size such as "64MiB" is the command line's to parse, not the config's)."""
     for name, value in values.items():
-        if value is not None and value < 1:
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
