@@ -29,6 +29,7 @@ from kvpool.engine.sequence import Request, Sequence
 from kvpool.engine.speculative import Speculator
 from kvpool.engine.structured_outputs import StructuredOutputsParams
 from kvpool.memory.prefix_cache import NO_SALT
+from tests.engine.speculative.test_speculative_engine import run_checked
 
 CHOICES = ["yes please", "no thanks"]
 
@@ -199,14 +200,8 @@ def run(engine, requests) -> tuple[list, dict[str, list[tuple[int, int, int]]]]:
         verified(seq, num_drafts, num_accepted)
 
     speculator.verified = spy
-    ids = [engine.add_request(prompt, params).request_id for prompt, params in requests]
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        engine.check_invariants()
-    return [finished[request_id] for request_id in ids], verifications
+    prompts, params = zip(*requests, strict=True)
+    return run_checked(engine, list(prompts), list(params)), verifications
 
 
 def completions(outputs) -> list[tuple]:
