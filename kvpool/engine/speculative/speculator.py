@@ -116,8 +116,10 @@ class Speculator(NoSpeculation):
         seq = chunk.seq
         request = seq.request
         # Decodes only: a prompt's last chunk runs the prefill kernels, and a draft verified
-        # there would be computed otherwise than the decode that would have produced it.
-        if chunk.num_new_tokens != 1 or chunk.num_samples != 1 or request.needs_fork:
+        # there would be computed otherwise than the decode that would have produced it. A
+        # one-token last chunk of a prompt has one new token too: it has no outputs yet.
+        if (chunk.num_new_tokens != 1 or chunk.num_samples != 1 or request.needs_fork
+                or not seq.output_token_ids):
             return 0
         params = request.params
         room = self.config.num_speculative_tokens

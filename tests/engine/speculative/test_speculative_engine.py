@@ -176,3 +176,24 @@ def test_suffix_decoding_gives_the_same_tokens_on_grounded_batches(make_engine):
     plain = run_checked(make_engine(), prompts, params)
     drafted = run_checked(make_engine(speculative_config=SUFFIX), prompts, params)
     assert token_ids(drafted) == token_ids(plain)
+
+
+def test_a_one_token_prompt_chunk_never_drafts(make_engine):
+    # A prompt's last chunk of one token looks like a decode (one new token) but computes
+    # the prompt: drafts follow only sequences that already have outputs.
+    prompt = {"prompt_token_ids": [1]}
+    params = [SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1)]
+    plain = run_checked(make_engine(), [prompt], params)
+    engine = make_engine(speculative_config=NGRAM)
+    proposed = []
+    propose = engine.scheduler.speculator.proposer.propose
+
+    def spy(seq, k):
+        proposed.append(len(seq.output_token_ids))
+        return propose(seq, k)
+
+    engine.scheduler.speculator.proposer.propose = spy
+    drafted = run_checked(engine, [prompt], params)
+    assert token_ids(drafted) == token_ids(plain)
+    assert drafted[0].prompt_logprobs == plain[0].prompt_logprobs
+    assert proposed and 0 not in proposed
