@@ -47,12 +47,12 @@ from kvpool.model.config import ModelConfig
 from kvpool.model.fused_weights import split_fused
 from kvpool.model.linear import Linear, empty_parameter
 from kvpool.model.moe import SparseMoE
-from kvpool.model.moe import shard_slice as moe_shard_slice
 from kvpool.model.norms import HeadNorm, RMSNorm
 from kvpool.model.parallel import ShardSlice, TensorParallel, check_shapes, take_slice
 from kvpool.model.quantization import Quantization
 from kvpool.model.quantized_weights import quantize_linears
 from kvpool.model.rope import NoRotary, RopeTables, StepRotary
+from kvpool.model.shard_slices import shard_slice
 
 
 class Attention(nn.Module):
@@ -386,44 +386,12 @@ def checkpoint_shapes(
     return {name: tuple(t.shape) for name, t in model.checkpoint_tensors().items()}
 
 
-# Module -> (dimension it is split along, the unit of the split): "heads" (query heads),
-# "kv_heads", "ffn" (intermediate units) or "vocab" (rows of the vocabulary).
-_SPLITS = {
-    "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab"),
-    "self_attn.q_proj": (0, "heads"), "self_attn.o_proj": (1, "heads"),
-    "self_attn.k_proj": (0, "kv_heads"), "self_attn.v_proj": (0, "kv_heads"),
-    "mlp.gate_proj": (0, "ffn"), "mlp.up_proj": (0, "ffn"), "mlp.down_proj": (1, "ffn"),
-}
-
-
 def checkpoint_slices(
     config: ModelConfig, tp: TensorParallel = TensorParallel.single()  # noqa: B008
 ) -> dict[str, ShardSlice]:
     """Checkpoint name -> the (dimension, range) of the FULL checkpoint tensor `tp`'s rank
     needs, or None where it needs all of it (`shard_slice`, for every name)."""
     return {name: shard_slice(config, tp, name) for name in checkpoint_shapes(config, tp)}
-
-
-def shard_slice(config: ModelConfig, tp: TensorParallel, name: str) -> ShardSlice:
-    """The (dimension, range) of the full checkpoint tensor `name` that `tp`'s rank needs, or
-    None where it needs all of it: always at tp=1, for norms, for a replicated KV head, and
-    for names the model does not know (`load_weights` rejects those). A loader that reads only
-    that part gives `load_weights` the shapes it expects; no model is built."""
-    if tp.is_parallel and config.moe is not None and _is_expert_name(config, name):
-        return moe_shard_slice(config.moe, tp, name.split(".", 2)[2])
-    split = _SPLITS.get(_module_name(name)) if tp.is_parallel else None
-    if split is None:
-        return None
-    dim, unit = split
-    part, total, width = {  # this rank's range of units, the number of units, their width
-        "heads": (tp.shard(config.num_heads), config.num_heads, config.head_dim),
-        "kv_heads": (tp.kv_heads(config.num_kv_heads), config.num_kv_heads, config.head_dim),
-        "ffn": (tp.shard(config.intermediate_size), config.intermediate_size, 1),
-        "vocab": (tp.shard(config.vocab_size), config.vocab_size, 1),
-    }[unit]
-    if len(part) == total:
-        return None
-    return dim, slice(part.start * width, part.stop * width)
 
 
 def _unfused(config: ModelConfig, tp: TensorParallel,
@@ -439,21 +407,6 @@ def _unfused(config: ModelConfig, tp: TensorParallel,
             yield part_name, take_slice(part, shard_slice(config, tp, part_name))
 
 
-def _is_expert_name(config: ModelConfig, name: str) -> bool:
-    """Whether `name` is a tensor of a sparse layer's mixture of experts (router included)."""
-    parts = name.split(".", 3)
-    return (len(parts) == 4 and parts[0] == "layers"
-            and config.layer_specs[int(parts[1])].sparse_mlp
-            and parts[2] == config.moe.names.block)
-
-
 def _mlp_linears(mlp: MLP | SparseMoE) -> tuple[Linear, ...]:
     """The `Linear`s of a layer's MLP: the dense one's two, or a mixture's router."""
     return (mlp.gate,) if isinstance(mlp, SparseMoE) else (mlp.gate_up, mlp.down)
-
-
-def _module_name(name: str) -> str:
-    """`layers.3.mlp.up_proj.weight` -> `mlp.up_proj`; `embed_tokens.weight` -> `embed_tokens`."""
-    module = name.rsplit(".", 1)[0]
-    parts = module.split(".", 2)
-    return parts[2] if parts[0] == "layers" and len(parts) == 3 else module

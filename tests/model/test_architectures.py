@@ -14,9 +14,10 @@ from gguf import GGMLQuantizationType
 from kvpool.model.gguf_config import config_from_gguf
 from kvpool.model.hf_config import UnsupportedFeature, config_from_hf
 from kvpool.model.layer_spec import MIXTRAL_NAMES, QWEN3_MOE_NAMES, MoEConfig
-from kvpool.model.llama import checkpoint_shapes, shard_slice
+from kvpool.model.llama import checkpoint_shapes
 from kvpool.model.loaders import load_model, make_loader
 from kvpool.model.parallel import TensorParallel, take_slice
+from kvpool.model.shard_slices import shard_slice
 from tests.model.test_loaders import kvpool_step_logits, write_gguf
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,

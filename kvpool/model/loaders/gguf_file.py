@@ -44,10 +44,10 @@ from kvpool.kernels.group_quant import GroupQuantized
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_config import PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS, config_from_gguf
 from kvpool.model.layer_spec import ExpertNames, MoEConfig
-from kvpool.model.llama import shard_slice
 from kvpool.model.loaders.dequant import dequantize
 from kvpool.model.loaders.gguf_blocks import KEPT_TYPES, to_group_quantized
 from kvpool.model.parallel import ShardSlice, TensorParallel, take_slice
+from kvpool.model.shard_slices import shard_slice
 from kvpool.model.tokenizer import Tokenizer
 
 # general.sampling.<key> -> generation_config.json's name for it.

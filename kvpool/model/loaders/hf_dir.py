@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.hf_config import MULTIMODAL_TEXT_DECODERS, config_from_hf
-from kvpool.model.llama import shard_slice
 from kvpool.model.parallel import ShardSlice, TensorParallel
+from kvpool.model.shard_slices import shard_slice
 from kvpool.model.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
