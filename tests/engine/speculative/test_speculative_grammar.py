@@ -52,16 +52,19 @@ def allowed_mask(matcher, width: int) -> torch.Tensor:
     return bitmask
 
 
-def decoding_chunk(prompt_token_ids: list[int], matcher, max_tokens: int = 64) -> ScheduledChunk:
-    """A decode chunk of a structured request whose prompt is computed but its last token."""
+def decoding_chunk(prompt_token_ids: list[int], first_output: int, matcher,
+                   max_tokens: int = 64) -> ScheduledChunk:
+    """The decode chunk of a structured request's first output token (the one its prefill
+    sampled, which its matcher has accepted): everything before it is computed."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens,
                             structured_outputs=StructuredOutputsParams(choice=CHOICES))
     request = Request("r", None, prompt_token_ids, params, 0.0, NO_SALT, (None,),
-                      matchers=(matcher,))
-    seq = Sequence(0, request, 0, None, [])
+                      matchers=(matcher,) if matcher is not None else ())
+    seq = Sequence(0, request, 0, None, [], [first_output])
     request.sequences.append(seq)
-    last = len(prompt_token_ids) - 1
-    return ScheduledChunk(seq, last, prompt_token_ids[last:], 1)
+    if matcher is not None:
+        assert matcher.accept(first_output)
+    return ScheduledChunk(seq, len(prompt_token_ids), [first_output], 1)
 
 
 def speculator() -> Speculator:
@@ -81,11 +84,12 @@ def test_the_proposal_cuts_drafts_the_grammar_rejects_and_leaves_the_matcher_alo
     after = [eos, *encode(" and more")] if ending == "terminated" else encode(" and more")
     prompt = [*encode("Q: A:"), *answer, *after, *encode("\nQ: A:")]
     matcher = compiler.compile(StructuredOutputsParams(choice=CHOICES)).new_matcher()
+    chunk = decoding_chunk(prompt, answer[0], matcher)  # the answer's first token is out
     before = allowed_mask(matcher, compiler.bitmask_width)
-    drafts = speculator().propose([decoding_chunk(prompt, matcher)], 64, 1)
-    expected = [*answer, eos] if ending == "terminated" else answer
+    drafts = speculator().propose([chunk], 64, 1)
+    expected = [*answer[1:], eos] if ending == "terminated" else answer[1:]
     assert drafts == {0: expected}
-    assert matcher.num_accepted == 0 and not matcher.is_terminated and not matcher.is_rejected
+    assert matcher.num_accepted == 1 and not matcher.is_terminated and not matcher.is_rejected
     assert torch.equal(allowed_mask(matcher, compiler.bitmask_width), before)
 
 
@@ -94,10 +98,8 @@ def test_without_the_grammar_the_same_prompt_drafts_past_the_answer(compiler, vo
     encode, _ = vocab
     answer = encode(CHOICES[0])
     prompt = [*encode("Q: A:"), *answer, *encode(" and more"), *encode("\nQ: A:")]
-    chunk = decoding_chunk(prompt, None)
-    chunk.seq.request.matchers = ()
-    drafts = speculator().propose([chunk], 64, 1)
-    assert len(drafts[0]) > len(answer)
+    drafts = speculator().propose([decoding_chunk(prompt, answer[0], None)], 64, 1)
+    assert len(drafts[0]) > len(answer) - 1
 
 
 def verification_rows(matcher, drafts: list[int]) -> list[SamplingRow]:
