@@ -160,6 +160,10 @@ class BlockPool:
         """More than one block table holds this (valid) block."""
         return self._ref_counts[block_id] > 1
 
+    def last_use(self, block_id: int) -> float:
+        """The pool clock when this block last changed hands (NaN: not since the start)."""
+        return self._last_use[block_id]
+
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable_ids
 
@@ -324,9 +328,11 @@ class BlockPool:
 
     def take_prefix(self, match: PrefixMatch) -> list[int]:
         """Take a reference on each block of `match` (found by `match_prefix` with nothing
-        evicted since) and count the query; returns the block ids."""
-        assert all(self.prefix_cache.is_cached(b) for b in match.block_ids), "stale match"
-        self.retain(match.block_ids)
+        evicted since; a sliding-window group's match leads with null blocks, which are
+        skipped) and count the query; returns the block ids."""
+        live = [block_id for block_id in match.block_ids if block_id != NULL_BLOCK_ID]
+        assert all(self.prefix_cache.is_cached(b) for b in live), "stale match"
+        self.retain(live)
         self._num_queries_blocks += match.num_query_blocks
         self._num_queries_tokens += match.num_query_tokens
         self._num_hits_blocks += len(match.block_ids)

@@ -14,8 +14,12 @@ hands them to `mark_computed` when full blocks are to be published to the prefix
 Invariants:
 - `len(block_ids) == ceil(num_tokens / block_size)`: every block but the last is full, and a
   block is taken only when the previous one is full.
-- The table holds exactly one reference on each entry of `block_ids`; the null block is never
-  one of them.
+- The table holds exactly one reference on each entry of `block_ids` but the first
+  `num_dropped_blocks`, which are the null block: blocks of a sliding-window group
+  (`kvpool.memory.kv_groups`) that no later query reads, released as the sequence grows
+  (`append_slots` drops them first, so the step's new blocks may reuse them). Only published
+  blocks are dropped (`num_dropped_blocks <= num_published_blocks`): a dropped block's KV stays
+  in the prefix cache until it is evicted. A full-attention table never drops one.
 - A block shared with another table (ref_count > 1) is never written: appending into a shared,
   partly filled last block first copies it (copy-on-write) and reports the `BlockCopy` that the
   KV tensors must perform.
@@ -37,7 +41,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool
+from kvpool.memory.kv_groups import KVGroup
 from kvpool.memory.prefix_cache import BlockHash, PrefixMatch
 
 TokenRange = Callable[[int, int], Sequence[int]]  # (start, end) -> the owner's tokens there
@@ -45,26 +50,38 @@ TokenRange = Callable[[int, int], Sequence[int]]  # (start, end) -> the owner's 
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
-    """A whole-block KV copy the tensors must perform (copy-on-write, migration)."""
+    """A whole-block KV copy the tensors must perform (copy-on-write, migration), in the KV
+    of group `group` (`kvpool.memory.kv_groups`; 0 where there is one group)."""
 
     src_block_id: int
     dst_block_id: int
+    group: int = 0
 
 
 class BlockTable:
     """Logical → physical blocks of one sequence, and how many of its slots are filled."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, group: KVGroup | None = None) -> None:
+        """A table of `pool`'s blocks for the layers of `group` (None: every layer, full
+        attention: no block is ever dropped)."""
         self.pool = pool
+        self.group = group if group is not None and group.window is not None else None
         self.block_ids: list[int] = []
         self.num_tokens = 0  # filled slots: tokens whose KV has (or is about to have) a place
         self.num_published_blocks = 0
         self.num_tentative = 0  # the last filled slots, drafted tokens not yet verified
+        self.num_dropped_blocks = 0  # leading entries out of the window: the null block
 
     # ----------------------------------------------------------------- queries
     @property
     def num_blocks(self) -> int:
+        """Logical blocks, the dropped ones included."""
         return len(self.block_ids)
+
+    @property
+    def live_block_ids(self) -> list[int]:
+        """The blocks the table holds a reference on (the dropped ones left out)."""
+        return self.block_ids[self.num_dropped_blocks:]
 
     @property
     def block_size(self) -> int:
@@ -90,6 +107,8 @@ class BlockTable:
         """
         if num_new_tokens <= 0:
             return []
+        if self.group is not None:
+            self.drop_dead_blocks()
         num_new_blocks = self.num_blocks_to_append(num_new_tokens)
         copies = self._grow(num_new_blocks) if num_new_blocks else []
         size = self.block_size
@@ -110,6 +129,19 @@ class BlockTable:
             copies.append(BlockCopy(shared_id, private_id))
         self.block_ids.extend(new_block_ids)
         return copies
+
+    def drop_dead_blocks(self) -> list[int]:
+        """Release the published blocks no query from the next position on reads (a sliding
+        window's, oldest first, so they are evicted first); returns their ids."""
+        first_live = min(self.group.first_live_block(self.num_tokens), self.num_published_blocks)
+        start = self.num_dropped_blocks
+        if first_live <= start:
+            return []
+        dead = self.block_ids[start:first_live]
+        self.block_ids[start:first_live] = [NULL_BLOCK_ID] * len(dead)
+        self.num_dropped_blocks = first_live
+        self.pool.free(dead)
+        return dead
 
     def append_tentative_slots(self, num_draft_tokens: int) -> list[BlockCopy]:
         """Slots for `num_draft_tokens` drafted tokens after the filled ones, tentative until
@@ -132,7 +164,7 @@ class BlockTable:
         if dropped:
             del self.block_ids[num_kept:]
             self.pool.free(reversed(dropped))
-        if self.block_ids:
+        if self.block_ids and self.block_ids[-1] != NULL_BLOCK_ID:  # (W = 1: maybe dropped)
             last_start = (num_kept - 1) * self.block_size
             self.pool.set_num_filled_slots(self.block_ids[-1], self.num_tokens - last_start)
         return dropped
@@ -159,6 +191,7 @@ class BlockTable:
         self.block_ids = self.pool.take_prefix(match)
         self.num_tokens = match.num_cached_tokens
         self.num_published_blocks = len(self.block_ids)
+        self.num_dropped_blocks = _num_leading_nulls(self.block_ids)
         return match.num_cached_tokens
 
     # ---------------------------------------------------------- share / free
@@ -166,11 +199,12 @@ class BlockTable:
         """A new table sharing every block (ref_count + 1 each, nothing copied)."""
         if self.num_tentative:
             raise ValueError("cannot fork a block table with tentative slots")
-        self.pool.retain(self.block_ids)
-        child = BlockTable(self.pool)
+        self.pool.retain(self.live_block_ids)
+        child = BlockTable(self.pool, self.group)
         child.block_ids = list(self.block_ids)
         child.num_tokens = self.num_tokens
         child.num_published_blocks = self.num_published_blocks
+        child.num_dropped_blocks = self.num_dropped_blocks
         return child
 
     def remap(self, old_to_new: dict[int, int]) -> int:
@@ -187,8 +221,16 @@ class BlockTable:
 
     def free(self) -> None:
         """Return every block (tail first, so cached tail blocks are evicted first)."""
-        self.pool.free(reversed(self.block_ids))
+        self.pool.free(reversed(self.live_block_ids))
         self.block_ids = []
         self.num_tokens = 0
         self.num_published_blocks = 0
         self.num_tentative = 0
+        self.num_dropped_blocks = 0
+
+
+def _num_leading_nulls(block_ids: list[int]) -> int:
+    count = 0
+    while count < len(block_ids) and block_ids[count] == NULL_BLOCK_ID:
+        count += 1
+    return count

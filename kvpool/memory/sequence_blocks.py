@@ -19,17 +19,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.memory.block_pool import BlockPool
-from kvpool.memory.block_table import BlockCopy, BlockTable
+from kvpool.memory.block_table import BlockCopy
+from kvpool.memory.group_tables import new_block_table
+from kvpool.memory.hybrid_pool import HybridBlockPool
+from kvpool.memory.hybrid_prefix import GroupMatch
 from kvpool.memory.prefix_cache import BlockHash, PrefixMatch, hash_full_blocks, salt_key
 
 
 class SequenceBlocks:
     """Tokens, their chained block hashes under one salt, and the block table holding them."""
 
-    def __init__(self, pool: BlockPool, cache_salt: str | None = None) -> None:
+    def __init__(self, pool: BlockPool | HybridBlockPool, cache_salt: str | None = None) -> None:
+        """Empty, on `pool`: a hybrid pool gives the sequence a table per KV cache group."""
         self.pool = pool
         self.salt = salt_key(cache_salt)
-        self.table = BlockTable(pool)
+        self.table = new_block_table(pool)
         self.token_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
 
@@ -102,7 +106,7 @@ class SequenceBlocks:
     def _tokens(self, start: int, end: int) -> list[int]:
         return self.token_ids[start:end]
 
-    def take_prefix(self, match: PrefixMatch, token_ids: Sequence[int],
+    def take_prefix(self, match: PrefixMatch | GroupMatch, token_ids: Sequence[int],
                     block_hashes: Sequence[BlockHash]) -> int:
         """Start empty from `match` (the pool's `match_prefix` of `token_ids`, whose chained
         hashes are `block_hashes`); returns the number of tokens whose KV is reused (filled,
