@@ -152,8 +152,8 @@ def teacher_forced(engine, token_ids: list[int]) -> tuple[list[float], list[int]
     runner = ModelRunner(engine.runner.model, kv_cache, engine.device)
     inputs = runner.prepare([SequenceChunk(token_ids, 0, list(range(1, num_blocks + 1)))])
     positions = torch.arange(len(token_ids) - 1, device=engine.device)
-    logits = runner.model(inputs.token_ids, inputs.positions, kv_cache.tensor, inputs.metadata,
-                          positions, kv_cache.scales)  # [len - 1, vocab] float32
+    logits = runner.model(inputs.token_ids, inputs.positions, runner.kv_step(inputs),
+                          positions)  # [len - 1, vocab] float32
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = inputs.token_ids[1:, None]
     true_logprobs = logprobs.gather(1, targets).squeeze(1)

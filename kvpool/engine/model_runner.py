@@ -1,9 +1,12 @@
 """Turns one scheduled step into tensors, runs the model, and returns the logits it asked for.
 
 The scheduler speaks in sequences and block tables; the model speaks in flat token ids,
-positions and `AttentionMetadata`. The runner translates: it orders the step's chunks decode
-first (so backends can launch one kernel per kind), flattens their tokens, and computes each new
-token's slot from its block table (`KVLayout.slot_mapping`).
+positions and a `KVStep` (each layer's KV view and `AttentionMetadata`). The runner translates:
+it orders the step's chunks decode first (so backends can launch one kernel per kind), flattens
+their tokens, and computes each new token's slot from its block table (`KVLayout.slot_mapping`),
+once per KV cache group: a sliding-window group's table names other blocks than the full
+group's (`kvpool.memory.kv_groups`), so each group gets its own slots and block tables, and
+each layer its group's.
 
 A chunk asks for two kinds of logits rows. `num_samples` rows of its last token: 0 mid-prompt,
 usually 1, n where a prompt's last chunk is sampled once per completion to be forked; a chunk
@@ -24,14 +27,17 @@ from typing import Protocol
 
 import torch
 
+from kvpool.attention.kv_step import KVStep
 from kvpool.attention.metadata import AttentionMetadata
 from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.kv_layout import KVLayout
 
 
 class ModelChunk(Protocol):
     """One sequence's share of a step: `token_ids` are new this step and follow
-    `num_computed_tokens` tokens whose KV is already cached in `block_ids`; the step returns
+    `num_computed_tokens` tokens whose KV is already cached in `group_block_ids` (each KV cache
+    group's blocks; one group's for most models); the step returns
     `num_samples` logits rows of its last token (with `num_draft_tokens` k: one row at each of
     its last k + 1 tokens instead), and one row per position (absolute, among the chunk's) of
     `prompt_logprob_positions`. The scheduler's `ScheduledChunk` is one."""
@@ -43,7 +49,7 @@ class ModelChunk(Protocol):
     def num_computed_tokens(self) -> int: ...
 
     @property
-    def block_ids(self) -> Sequence[int]: ...
+    def group_block_ids(self) -> Sequence[Sequence[int]]: ...
 
     @property
     def num_samples(self) -> int: ...
@@ -66,16 +72,18 @@ class SequenceChunk:
     prompt_logprob_positions: range = range(0)
     num_draft_tokens: int = 0
 
+    @property
+    def group_block_ids(self) -> tuple[Sequence[int]]:
+        return (self.block_ids,)
+
 
 class CausalLM(Protocol):
     def __call__(
         self,
         token_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
+        kv: KVStep,  # each layer's KV view, scales and attention plan
         logits_indices: torch.Tensor,  # [num_logits] int64
-        kv_scales: torch.Tensor | None = None,  # int8/fp8 KV: the KVCache's scale pool
     ) -> torch.Tensor:  # [num_logits, vocab_size] float32
         ...
 
@@ -84,12 +92,17 @@ class CausalLM(Protocol):
 class StepInputs:
     token_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    plans: tuple[AttentionMetadata, ...]  # one per KV cache group
     logits_indices: torch.Tensor  # the sampling rows, then the prompt-logprob rows
     num_sampling_rows: int
     # Every chunk one new token, sampled once, no prompt rows: logits row i is token i's
     # (what a CUDA-graphed decode replays: `kvpool.engine.decode_graphs`).
     is_pure_decode: bool = False
+
+    @property
+    def metadata(self) -> AttentionMetadata:
+        """The batch's plan (the first group's: every group's has the same rows)."""
+        return self.plans[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,14 +145,13 @@ class ModelRunner:
         self.kv_cache.copy_blocks(block_copies)
         if inputs is None:
             return None
-        return self.model(
-            inputs.token_ids,
-            inputs.positions,
-            self.kv_cache.tensor,
-            inputs.metadata,
-            inputs.logits_indices,
-            self.kv_cache.scales,
-        )
+        return self.model(inputs.token_ids, inputs.positions, self.kv_step(inputs),
+                          inputs.logits_indices)
+
+    def kv_step(self, inputs: StepInputs) -> KVStep:
+        """This process's KV views under the step's plans."""
+        cache = self.kv_cache
+        return KVStep.build(cache.layer_views, cache.scale_views, inputs.plans, cache.layer_groups)
 
     def prepare(self, chunks: Sequence[ModelChunk]) -> StepInputs:
         """Flatten the chunks (decodes first) into the model's inputs.
@@ -148,23 +160,19 @@ class ModelRunner:
         decode followed by drafts (the i-th attending to the context and the i tokens before
         it), so a verification runs on the decode kernels rather than a prefill's.
         """
-        layout = self.kv_cache.layout
         # Stable sort: decode rows first, otherwise keep the caller's order.
         order = sorted(range(len(chunks)), key=lambda index: not _decodes(chunks[index]))
         first_token = [0] * len(chunks)  # where each chunk's tokens start in the flat batch
         token_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        block_tables: list[Sequence[int]] = []
         for index in order:
             chunk = chunks[index]
             first_token[index] = len(token_ids)
             start = chunk.num_computed_tokens
             seq_len = start + len(chunk.token_ids)
             positions.extend(range(start, seq_len))
-            slot_mapping.extend(layout.slot_mapping(chunk.block_ids, start, seq_len))
             token_ids.extend(chunk.token_ids)
             # (query length, sequence length) per attention row
             rows = ([(1, end) for end in range(start + 1, seq_len + 1)] if _decodes(chunk)
@@ -172,27 +180,37 @@ class ModelRunner:
             for query_len, end in rows:
                 query_lens.append(query_len)
                 seq_lens.append(end)
-                block_tables.append(chunk.block_ids[: layout.num_blocks_for_tokens(end)])
         sampling_rows, prompt_rows = _logits_rows(chunks, first_token)
         is_pure_decode = (len(token_ids) == len(chunks) and not prompt_rows
                           and sampling_rows == list(range(len(chunks))))
-        metadata = AttentionMetadata.build(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-            layout=layout,
-            device=self.device,
-        )
+        plans = tuple(self._plan(chunks, order, group, layout, query_lens, seq_lens)
+                      for group, layout in enumerate(self.kv_cache.group_layouts))
         return StepInputs(
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            metadata=metadata,
+            plans=plans,
             logits_indices=torch.tensor(sampling_rows + prompt_rows, dtype=torch.int64,
                                         device=self.device),
             num_sampling_rows=len(sampling_rows),
             is_pure_decode=is_pure_decode,
         )
+
+    def _plan(self, chunks: Sequence[ModelChunk], order: list[int], group: int,
+              layout: KVLayout, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        """Group `group`'s attention plan: the batch's rows over its blocks."""
+        slot_mapping: list[int] = []
+        block_tables: list[Sequence[int]] = []
+        for index in order:
+            chunk = chunks[index]
+            block_ids = chunk.group_block_ids[group]
+            start = chunk.num_computed_tokens
+            seq_len = start + len(chunk.token_ids)
+            slot_mapping.extend(layout.slot_mapping(block_ids, start, seq_len))
+            ends = range(start + 1, seq_len + 1) if _decodes(chunk) else (seq_len,)
+            block_tables.extend(block_ids[: layout.num_blocks_for_tokens(end)] for end in ends)
+        return AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
+                                       block_tables=block_tables, slot_mapping=slot_mapping,
+                                       layout=layout, device=self.device)
 
 
 def _decodes(chunk: ModelChunk) -> bool:

@@ -70,6 +70,11 @@ class ScheduledChunk:
     def block_ids(self) -> list[int]:
         return self.seq.block_table.block_ids
 
+    @property
+    def group_block_ids(self) -> tuple[list[int], ...]:
+        """Each KV cache group's blocks (`kvpool.memory.kv_groups`)."""
+        return self.seq.block_table.group_block_ids
+
 
 @dataclass
 class SchedulerOutput:

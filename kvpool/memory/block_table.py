@@ -79,6 +79,11 @@ class BlockTable:
         return len(self.block_ids)
 
     @property
+    def group_block_ids(self) -> tuple[list[int]]:
+        """The table as the one group of its sequence (`GroupBlockTables` has several)."""
+        return (self.block_ids,)
+
+    @property
     def live_block_ids(self) -> list[int]:
         """The blocks the table holds a reference on (the dropped ones left out)."""
         return self.block_ids[self.num_dropped_blocks:]

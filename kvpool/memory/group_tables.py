@@ -61,6 +61,10 @@ class GroupBlockTables:
     def num_blocks(self) -> int:
         return self.tables[0].num_blocks
 
+    @property
+    def group_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(table.block_ids for table in self.tables)
+
     def num_blocks_to_append(self, num_new_tokens: int) -> int:
         """Blocks over every group that `append_slots` takes for `num_new_tokens` tokens."""
         return sum(self.group_demands(num_new_tokens))

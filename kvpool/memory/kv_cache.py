@@ -72,6 +72,11 @@ class KVCache:
         layout.check_tensor(self.tensor)
         layout.check_scales(self.scales, num_blocks)
         self.layout = layout
+        # What a step hands the model (`kvpool.attention.kv_step`): one group of every layer.
+        self.group_layouts = (layout,)
+        self.layer_groups = (0,) * layout.num_layers
+        self.layer_views = tuple(self.layer(i) for i in range(layout.num_layers))
+        self.scale_views = tuple(self.layer_scales(i) for i in range(layout.num_layers))
 
     @property
     def num_blocks(self) -> int:

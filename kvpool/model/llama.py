@@ -7,11 +7,12 @@ and the model-wide options: Qwen3's per-head RMSNorm of queries and keys before 
 (`qk_norm`), Qwen2's q/k/v biases, Gemma 2's soft-capped attention scores (handed to the
 backend as `logit_softcap`).
 
-Inputs are flat: the new tokens of every sequence in the step, concatenated with no padding, with
-their absolute positions. Attention goes through an `AttentionBackend` given at construction;
-layer i hands the backend `kv_cache[:, i]` plus the step's `AttentionMetadata`, so nothing about
-the batch reaches attention through globals. Logits are computed only for `logits_indices`.
-`forward` runs under `torch.inference_mode()`: this model serves, it never trains.
+Inputs are flat: the new tokens of every sequence in the step, concatenated with no padding,
+with their absolute positions. Attention goes through an `AttentionBackend` given at
+construction; layer i hands the backend its view of the KV cache and its plan from the step's
+`KVStep` (`kvpool.attention.kv_step`: a sliding-window layer's blocks may differ from a full
+layer's), so nothing about the batch reaches attention through globals. Logits are computed
+only for `logits_indices`. `forward` runs under `torch.inference_mode()`: this model serves, it never trains.
 
 Weights: parameters are allocated empty (no random init) in the requested dtype and device and
 filled by `load_weights` from *checkpoint names* (HuggingFace names without the `model.` prefix,
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from kvpool.attention.backend import AttentionBackend
-from kvpool.attention.metadata import AttentionMetadata
+from kvpool.attention.kv_step import KVStep
 from kvpool.kernels import fused
 from kvpool.kernels.decode_rows import leading_decode_rows
 from kvpool.kernels.group_quant import GroupQuantized
@@ -79,10 +80,7 @@ class Attention(nn.Module):
             (HeadNorm(config.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm
              else nn.Identity()) for _ in "qk")
 
-    def forward(
-        self, x: torch.Tensor, rotary: StepRotary | NoRotary, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: StepRotary | NoRotary, kv: KVStep) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv(x)  # [num_tokens, qkv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -91,9 +89,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rotary.apply_(q)
         rotary.apply_(k)
-        layer_scales = None if kv_scales is None else kv_scales[:, self.layer_id]
+        layer = self.layer_id
         out = self.backend.forward(
-            q, k, v, kv_cache[:, self.layer_id], metadata, self.scale, layer_scales,
+            q, k, v, kv.layers[layer], kv.metadata[layer], self.scale, kv.scales[layer],
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
         )  # [num_tokens, num_heads, head_dim]
         return self.tp.row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size))
@@ -154,8 +152,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: StepRotary | NoRotary,
-        kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        kv_scales: torch.Tensor | None = None,
+        kv: KVStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual` is the stream x_l (None before the first layer, where `hidden` is it);
         `hidden` is the previous sublayer's output, not yet added. Returns the MLP's output
@@ -164,7 +161,7 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             self.input_layernorm.add_(hidden, residual)
-        hidden = self.attn_out_norm(self.self_attn(hidden, rotary, kv_cache, metadata, kv_scales))
+        hidden = self.attn_out_norm(self.self_attn(hidden, rotary, kv))
         self.mlp_in_norm.add_(hidden, residual)
         return self.mlp_out_norm(self.mlp(hidden)), residual
 
@@ -215,22 +212,19 @@ class LlamaModel(nn.Module):
         self,
         token_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, local_kv_heads, head_dim]
-        metadata: AttentionMetadata,
+        kv: KVStep,  # each layer's KV view (this rank's KV heads), scales and plan
         logits_indices: torch.Tensor,  # [num_samples] int64: rows of the batch to sample from
-        kv_scales: torch.Tensor | None = None,  # int8/fp8 KV: [num_blocks, num_layers, 2, ...]
     ) -> torch.Tensor | None:  # [num_samples, vocab_size] float32
         """The logits of the `logits_indices` rows: the full vocabulary on rank 0 (at tp=1,
         always); None on the other ranks, which send their vocab slice to rank 0. Every rank
-        must call it with the same inputs (each fills its own KV heads of `kv_cache`)."""
+        must call it with the same inputs (each fills its own KV heads of the cache)."""
         hidden = self._embed(token_ids).mul_(self.embedding_multiplier)  # [tokens, hidden]
         rotaries = self.rope_tables.for_step(positions)  # one per layer
         residual = None
-        num_decodes = metadata.num_decode_seqs  # decode rows lead the step: one token each
+        num_decodes = kv.plan.num_decode_seqs  # decode rows lead the step: one token each
         with leading_decode_rows(num_decodes):
             for layer, rotary in zip(self.layers, rotaries, strict=True):
-                hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata,
-                                         kv_scales)
+                hidden, residual = layer(hidden, residual, rotary, kv)
         # The final norm is per row: select the rows that need logits first.
         hidden, residual = hidden[logits_indices], residual[logits_indices]
         self.norm.add_(hidden, residual)

@@ -21,7 +21,7 @@ class RowModel:
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls
 
-    def __call__(self, token_ids, positions, kv_cache, metadata, logits_indices, kv_scales=None):
+    def __call__(self, token_ids, positions, kv, logits_indices):
         self.calls.append("model")
         return logits_indices.float()[:, None].expand(-1, VOCAB)
 

@@ -64,10 +64,8 @@ def kvpool_prefill_logits(smollm2, token_ids: list[int]) -> torch.Tensor:
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
     runner = ModelRunner(smollm2.model, make_kv_cache(smollm2.config, num_blocks))
     inputs = runner.prepare([SequenceChunk(token_ids, 0, list(range(1, num_blocks + 1)))])
-    return smollm2.model(
-        inputs.token_ids, inputs.positions, runner.kv_cache.tensor, inputs.metadata,
-        torch.arange(len(token_ids)),
-    )
+    return smollm2.model(inputs.token_ids, inputs.positions, runner.kv_step(inputs),
+                         torch.arange(len(token_ids)))
 
 
 def test_prompts_are_varied(prompts):

@@ -66,8 +66,8 @@ def step_logits(loaded, tp: TensorParallel) -> torch.Tensor | None:
     rows = []
     for chunks in STEPS:
         inputs = runner.prepare(chunks)
-        rows.append(model(inputs.token_ids, inputs.positions, runner.kv_cache.tensor,
-                          inputs.metadata, inputs.logits_indices))
+        rows.append(model(inputs.token_ids, inputs.positions, runner.kv_step(inputs),
+                          inputs.logits_indices))
     return None if rows[0] is None else torch.cat(rows)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.attention.kv_step import KVStep
 from kvpool.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from kvpool.engine.model_runner import CausalLM, StepInputs
 from kvpool.memory.block_pool import NULL_BLOCK_ID
@@ -130,12 +131,9 @@ class PaddedDecode:
     def run(self, batch_size: int) -> None:
         """The padded step of `batch_size` rows: logits of every row into `logits[:batch_size]`.
         No host work depends on the batch: this is what a CUDA graph captures."""
-        logits = self.model(
-            self.token_ids[:batch_size],
-            self.positions[:batch_size],
-            self.kv_cache.tensor,
-            self.metadata[batch_size],
-            self.logits_indices[:batch_size],
-            self.kv_cache.scales,
-        )
+        cache = self.kv_cache
+        kv = KVStep.build(cache.layer_views, cache.scale_views, [self.metadata[batch_size]],
+                          cache.layer_groups)
+        logits = self.model(self.token_ids[:batch_size], self.positions[:batch_size], kv,
+                            self.logits_indices[:batch_size])
         self.logits[:batch_size].copy_(logits)

@@ -50,8 +50,8 @@ def receive(control: Any) -> Any:
 
 def inputs_to(inputs: StepInputs, device: torch.device) -> StepInputs:
     """`inputs` with every tensor (its attention metadata's too) on `device`."""
-    metadata = _tensors_to(inputs.metadata, device)
-    return dataclasses.replace(_tensors_to(inputs, device), metadata=metadata)
+    plans = tuple(_tensors_to(plan, device) for plan in inputs.plans)
+    return dataclasses.replace(_tensors_to(inputs, device), plans=plans)
 
 
 def _tensors_to(record: Any, device: torch.device) -> Any:

@@ -36,7 +36,7 @@ class BigramModel(torch.nn.Module):
         super().__init__()
         self.table = logits
 
-    def forward(self, token_ids, positions, kv_cache, metadata, logits_indices, kv_scales=None):
+    def forward(self, token_ids, positions, kv, logits_indices):
         return self.table[token_ids[logits_indices]]
 
 
