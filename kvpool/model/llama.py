@@ -12,7 +12,8 @@ with their absolute positions. Attention goes through an `AttentionBackend` give
 construction; layer i hands the backend its view of the KV cache and its plan from the step's
 `KVStep` (`kvpool.attention.kv_step`: a sliding-window layer's blocks may differ from a full
 layer's), so nothing about the batch reaches attention through globals. Logits are computed
-only for `logits_indices`. `forward` runs under `torch.inference_mode()`: this model serves, it never trains.
+only for `logits_indices`. `forward` runs under `torch.inference_mode()`: this model serves,
+it never trains.
 
 Weights: parameters are allocated empty (no random init) in the requested dtype and device and
 filled by `load_weights` from *checkpoint names* (HuggingFace names without the `model.` prefix,
