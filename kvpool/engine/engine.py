@@ -325,8 +325,8 @@ class LLMEngine:
     def memory_stats(self) -> MemoryStats:
         """The block pool's snapshot, with the maximum concurrency at `max_model_len`."""
         memory = self.kv_memory
-        return MemoryStats.of(memory.block_stats(), memory.layout, memory.max_num_blocks,
-                              self.max_model_len)
+        return MemoryStats.of(memory.block_stats(), memory.max_num_blocks, self.max_model_len,
+                              memory.max_concurrency(self.max_model_len))
 
     def kv_pool_stats(self) -> KVPoolStats:
         """The KV memory: online blocks, segments, grows, shrinks, migrations, arena bytes."""

@@ -39,8 +39,11 @@ from dataclasses import dataclass, field
 from kvpool.engine.preemption import RECOMPUTE, SWAP, PreemptionPolicy
 from kvpool.engine.requests.prompt_logprobs import pending_positions
 from kvpool.engine.sequence import Sequence
+from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.block_table import BlockCopy, BlockTable
 from kvpool.memory.errors import OutOfBlocksError
+from kvpool.memory.group_tables import GroupBlockTables
+from kvpool.memory.hybrid_memory import HybridKVMemory
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
 from kvpool.memory.tiers.kv_tiers import TIERS
@@ -75,7 +78,8 @@ class SwapCounters:
 
 
 class KVCacheManager:
-    def __init__(self, memory: KVMemory, policy: PreemptionPolicy | None = None) -> None:
+    def __init__(self, memory: KVMemory | HybridKVMemory,
+                 policy: PreemptionPolicy | None = None) -> None:
         self.memory = memory
         self.pool = memory.pool
         self.layout = memory.layout
@@ -86,8 +90,9 @@ class KVCacheManager:
         self._swapped: dict[int, list[int]] = {}  # seq_id -> the host blocks it owns
         self.listeners = memory.listeners
 
-    def new_block_table(self) -> BlockTable:
-        return BlockTable(self.pool)
+    def new_block_table(self) -> BlockTable | GroupBlockTables:
+        """An empty table: one per KV cache group where the memory has several."""
+        return self.memory.new_block_table()
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether `num_tokens` tokens fit in the whole pool at its largest, alone."""
@@ -106,7 +111,7 @@ class KVCacheManager:
         if seq.seq_id in self._swapped:
             return self._plan_swap_in(seq, token_budget, allow_partial, keep_watermark)
         query = seq.token_ids(0, _num_query_tokens(seq))
-        prefix = self.pool.match_prefix(seq.block_hashes, query)
+        prefix = self.memory.match_prefix(seq.block_hashes, query)
         first_below = len(prefix.block_ids)
         below = self.tiers.find_below(seq.block_hashes, query, first_below,
                                       prefix.num_query_blocks)
@@ -115,9 +120,18 @@ class KVCacheManager:
         num_new = _num_new_tokens(seq.num_tokens - num_cached, token_budget, allow_partial)
         if num_new is None:
             return None
-        needed = self.pool.num_blocks_to_admit(prefix, num_cached + num_new)
-        if not self._grow_for(needed, keep_watermark):
-            return None
+        needed = self.memory.blocks_to_admit(prefix, num_cached + num_new)
+        if not self.memory.grow_until_allocatable(needed, keep_watermark):
+            if keep_watermark or not prefix.num_cached_tokens:
+                return None
+            # Alone, a sequence always fits without its hit: a hybrid pool's cached pages
+            # may be what keeps it from placing a page of another size.
+            prefix = self.memory.match_prefix(seq.block_hashes, query[:0])
+            num_cached, below = 0, TierMatch()
+            num_new = _num_new_tokens(seq.num_tokens, token_budget, allow_partial)
+            if num_new is None or not self.memory.grow_until_allocatable(
+                    self.memory.blocks_to_admit(prefix, num_new), keep_watermark):
+                return None
         if below.num_blocks:
             self.tiers.validate(below, query, first_below)
             num_cached = prefix.num_cached_tokens + below.num_blocks * size
@@ -133,17 +147,12 @@ class KVCacheManager:
         num_new = _num_new_tokens(seq.num_uncomputed_tokens, token_budget, allow_partial)
         if num_new is None:
             return None
-        prefix = self.pool.match_prefix(seq.block_hashes,
-                                        seq.token_ids(0, seq.num_computed_tokens))
-        needed = self.pool.num_blocks_to_admit(prefix, seq.num_computed_tokens + num_new)
-        if not self._grow_for(needed, keep_watermark):
+        prefix = self.memory.match_prefix(seq.block_hashes,
+                                          seq.token_ids(0, seq.num_computed_tokens))
+        needed = self.memory.blocks_to_admit(prefix, seq.num_computed_tokens + num_new)
+        if not self.memory.grow_until_allocatable(needed, keep_watermark):
             return None
         return AdmissionPlan(prefix, num_new, 0, swapped_host_ids=self._swapped[seq.seq_id])
-
-    def _grow_for(self, num_blocks: int, keep_watermark: bool) -> bool:
-        if keep_watermark:
-            num_blocks += self.memory.watermark_blocks
-        return self.memory.grow_until_allocatable(num_blocks)
 
     def admit(self, seq: Sequence, plan: AdmissionPlan) -> list[BlockCopy]:
         """Take the planned cached prefix (copying up what was found below the device), or
@@ -184,13 +193,13 @@ class KVCacheManager:
         num_reused = len(plan.prefix.block_ids)
         if served is None:
             if num_reused:
-                listeners.prefix_hit(request_id, index, block_ids[:num_reused],
+                listeners.prefix_hit(request_id, index, _held(block_ids[:num_reused]),
                                      plan.prefix.num_cached_tokens, None)
             listeners.sequence_swapped_in(request_id, index, block_ids[num_reused:])
             return
         if plan.num_cached_tokens:
             below = {tier: served.get(tier, 0) for tier in TIERS[1:]}
-            listeners.prefix_hit(request_id, index, block_ids[:num_reused],
+            listeners.prefix_hit(request_id, index, _held(block_ids[:num_reused]),
                                  plan.num_cached_tokens, below if any(below.values()) else None)
         if len(block_ids) > num_reused:
             listeners.blocks_allocated(request_id, index, block_ids[num_reused:])
@@ -216,6 +225,8 @@ class KVCacheManager:
         num_blocks = table.num_blocks
         copies = self._append_slots(table, num_new_tokens)
         for copy in copies:
+            if copy.group:  # events and statistics follow the first group (`pool`)
+                continue
             self.listeners.block_copied_on_write(seq.request.request_id, seq.index,
                                                  copy.src_block_id, copy.dst_block_id)
         if table.num_blocks > num_blocks:  # a copy-on-write replaces the last block in place
@@ -223,11 +234,12 @@ class KVCacheManager:
                                             table.block_ids[num_blocks:])
         return copies
 
-    def _append_slots(self, table: BlockTable, num_new_tokens: int) -> list[BlockCopy]:
+    def _append_slots(self, table: BlockTable | GroupBlockTables,
+                      num_new_tokens: int) -> list[BlockCopy]:
         try:  # the common case first: no extra work on the decode path
             return table.append_slots(num_new_tokens)
         except OutOfBlocksError:
-            if not self.memory.grow_until_allocatable(table.num_blocks_to_append(num_new_tokens)):
+            if not self.memory.grow_until_allocatable(self.memory.demand(table, num_new_tokens)):
                 raise
         return table.append_slots(num_new_tokens)
 
@@ -237,7 +249,7 @@ class KVCacheManager:
         drafts)."""
         table = seq.block_table
         num_blocks = table.num_blocks
-        if table.num_blocks_to_append(num_draft_tokens) > self.pool.num_free_blocks:
+        if not self.memory.has_free_blocks(self.memory.demand(table, num_draft_tokens)):
             return None
         copies = table.append_tentative_slots(num_draft_tokens)
         if table.num_blocks > num_blocks:
@@ -266,12 +278,12 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.extend(hash_full_blocks(unhashed, size, seq.request.salt, parent))
 
-    def fork(self, seq: Sequence) -> BlockTable:
+    def fork(self, seq: Sequence) -> BlockTable | GroupBlockTables:
         """A table sharing all of `seq`'s blocks, for the request's next sequence (the
         scheduler gives it index `len(request.sequences)`: the recorder names it so)."""
         child = seq.block_table.fork()
         self.listeners.table_forked(seq.request.request_id, len(seq.request.sequences),
-                                    seq.index, child.block_ids)
+                                    seq.index, child.live_block_ids)
         return child
 
     def preempt(self, seq: Sequence) -> str:
@@ -285,7 +297,7 @@ class KVCacheManager:
         host_ids = self.tiers.swap_out(table.block_ids) if kind == SWAP else None
         self.listeners.sequence_preempted(seq.request.request_id, seq.index,
                                           RECOMPUTE if host_ids is None else SWAP,
-                                          table.block_ids)
+                                          table.live_block_ids)
         if host_ids is None:
             self.counters.num_recompute_preemptions += 1
             self._drop(seq)
@@ -324,12 +336,17 @@ class KVCacheManager:
         seq.block_table.free()
 
     def _report_free(self, seq: Sequence) -> None:
-        if seq.block_table.block_ids:
-            self.listeners.blocks_freed(seq.request.request_id, seq.index,
-                                        seq.block_table.block_ids)
+        held = seq.block_table.live_block_ids
+        if held:
+            self.listeners.blocks_freed(seq.request.request_id, seq.index, held)
 
     def reset_counters(self) -> None:
         self.counters = SwapCounters()
+
+
+def _held(block_ids: list[int]) -> list[int]:
+    """The ids a table holds among `block_ids` (a sliding window's dropped ones left out)."""
+    return [block_id for block_id in block_ids if block_id != NULL_BLOCK_ID]
 
 
 def _num_query_tokens(seq: Sequence) -> int:

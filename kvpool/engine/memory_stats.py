@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from kvpool.memory.block_pool import BlockPoolStats
-from kvpool.memory.kv_layout import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,8 +19,8 @@ class MemoryStats(BlockPoolStats):
     max_concurrency: float
 
     @classmethod
-    def of(cls, pool: BlockPoolStats, layout: KVLayout, max_num_blocks: int,
-           max_model_len: int) -> MemoryStats:
+    def of(cls, pool: BlockPoolStats, max_num_blocks: int, max_model_len: int,
+           max_concurrency: float) -> MemoryStats:
         base = {field.name: getattr(pool, field.name) for field in fields(BlockPoolStats)}
         return cls(**base, max_model_len=max_model_len, max_num_blocks=max_num_blocks,
-                   max_concurrency=layout.max_concurrency(max_num_blocks, max_model_len))
+                   max_concurrency=max_concurrency)

@@ -61,6 +61,8 @@ from kvpool.engine.parallel.group import rank_device
 from kvpool.engine.parallel.messages import KVSpec
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.elastic_pool import ElasticPoolConfig
+from kvpool.memory.hybrid_memory import HybridKVMemory
+from kvpool.memory.kv_groups import kv_groups
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.tiers.disk_tier import DiskKVTier
@@ -87,7 +89,7 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype  # the model's and its KV cache's: "auto" resolved
     max_model_len: int
-    kv_memory: KVMemory
+    kv_memory: KVMemory | HybridKVMemory
     # SamplingParams field -> value for the fields the model's generation config sets
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     workers: WorkerGroup | None = None  # the other ranks, with tensor_parallel_size > 1
@@ -145,10 +147,23 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     layout = model_config.kv_layout(cache.block_size, dtype, cache.kv_cache_dtype)
     layout = dataclasses.replace(layout,
                                  num_kv_heads=tp.num_local_kv_heads(model_config.num_kv_heads))
+    num_blocks = kv_num_blocks(config, layout, device)
+    groups = kv_groups(layout, [spec.sliding_window for spec in model_config.layer_specs],
+                       max_model_len=max_model_len)
+    if len(groups) > 1 or groups[0].window is not None:
+        why_not = _why_not_hybrid(config, layout, tp, device)
+        if why_not is None:
+            kv_memory = HybridKVMemory(layout, groups, num_blocks * layout.bytes_per_block,
+                                       device, enable_prefix_caching=cache.enable_prefix_caching,
+                                       watermark=cache.watermark)
+            return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
+                               max_model_len, kv_memory, _sampling_defaults(config.load, loaded))
+        logger.info("hybrid KV cache manager off (%s): sliding-window layers keep every block",
+                    why_not)
     namespace = kv_namespace(config, layout, dtype)
     kv_memory = KVMemory(
         layout,
-        kv_num_blocks(config, layout, device),
+        num_blocks,
         device,
         enable_prefix_caching=cache.enable_prefix_caching,
         watermark=cache.watermark,
@@ -159,6 +174,26 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     )
     return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
                        max_model_len, kv_memory, _sampling_defaults(config.load, loaded))
+
+
+def _why_not_hybrid(config: EngineConfig, layout: KVLayout, tp: TensorParallel,
+                    device: torch.device) -> str | None:
+    """Why sliding-window layers must keep every block here, or None (vLLM, too, turns its
+    hybrid manager off for what it cannot serve). The tiers, swapping, the elastic pool,
+    quantized scales, tensor-parallel workers and CUDA graphs hold one group of KV so far."""
+    tiers = config.tiers
+    reasons = {
+        "--disable-hybrid-kv-cache-manager": config.cache.disable_hybrid_kv_cache_manager,
+        "--kv-pool elastic": config.cache.kv_pool != "static",
+        "--swap-space": tiers.swap_space > 0,
+        "--kv-disk-cache": tiers.kv_disk_cache is not None,
+        "--kv-shared-redis": tiers.kv_shared_redis is not None,
+        f"--kv-cache-dtype {config.cache.kv_cache_dtype}": layout.is_quantized,
+        "--tensor-parallel-size > 1": tp.is_parallel,
+        "CUDA graphs (--enforce-eager lifts it)": (device.type == "cuda"
+                                                  and not config.load.enforce_eager),
+    }
+    return next((reason for reason, applies in reasons.items() if applies), None)
 
 
 def _sampling_defaults(load: LoadConfig, loaded: LoadedModel) -> dict[str, Any]:

@@ -49,6 +49,10 @@ class GroupBlockTables:
         return self.tables[0].num_published_blocks
 
     @property
+    def num_tentative(self) -> int:
+        return self.tables[0].num_tentative
+
+    @property
     def block_size(self) -> int:
         return self.pool.block_size
 
@@ -60,6 +64,10 @@ class GroupBlockTables:
     @property
     def num_blocks(self) -> int:
         return self.tables[0].num_blocks
+
+    @property
+    def live_block_ids(self) -> list[int]:
+        return self.tables[0].live_block_ids
 
     @property
     def group_block_ids(self) -> tuple[list[int], ...]:
@@ -87,9 +95,10 @@ class GroupBlockTables:
         return self._tagged([t.append_tentative_slots(num_draft_tokens) for t in self.tables])
 
     def commit_tentative(self, num_accepted: int) -> list[int]:
-        """Every group keeps the same drafts; returns the blocks given back, over all groups."""
-        return [block_id for table in self.tables for block_id in
-                table.commit_tentative(num_accepted)]
+        """Every group keeps the same drafts; returns the first group's blocks given back
+        (what events report, as `block_ids` is the first group's)."""
+        dropped = [table.commit_tentative(num_accepted) for table in self.tables]
+        return dropped[0]
 
     def mark_computed(self, num_computed_tokens: int, token_ids: TokenRange,
                       block_hashes: Sequence[BlockHash]) -> None:

@@ -20,7 +20,10 @@ reference counts and prefix cache. `make_allocatable` brings pages online for th
 or an admission needs: fresh pages from the arena first, and when the arena has no room, the
 other groups' spare pages (free ones first, then cached ones, least recently used first) go
 back to it. A page stays with its group while free, so a sliding window's steady turnover
-(one block dropped, one taken, every `block_size` tokens) never touches the arena.
+(one block dropped, one taken, every `block_size` tokens) never touches the arena. Pages of
+mixed sizes fragment the arena: when no gap holds a page though the free bytes would, every
+unused page goes back (`_flush`, cached prefixes evicted) and the pages are taken again; used
+pages never move (no relocation yet), so this only guarantees progress once they are freed.
 
 Invariants (`check_invariants`): every group pool's own; each online id has exactly one live
 arena handle, at offset id * unit, of its group's page bytes, and the arena holds nothing else
@@ -30,7 +33,7 @@ but the null page; bytes are the arena's (live + free tile the reservation).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvpool.memory.arena import Arena, ArenaHandle, ArenaOutOfMemoryError
 from kvpool.memory.block_pool import NULL_BLOCK_ID
@@ -89,17 +92,46 @@ class HybridBlockPool:
         return sum(pool.num_used_blocks * page for pool, page in pairs)
 
     # ------------------------------------------------------------------ growth
-    def make_allocatable(self, demands: Sequence[int]) -> bool:
+    def make_allocatable(self, demands: Sequence[int],
+                         keep: Sequence[Collection[int]] = ()) -> bool:
         """Bring pages online until group g can allocate `demands[g]` blocks at once, for
-        every g; False if the reservation cannot hold them all (then nothing is allocated,
-        though pages may have moved between groups, free)."""
+        every g, never taking back the cached blocks of `keep[g]` (a planned prefix hit's);
+        False if the reservation cannot hold them all (then nothing is allocated, though
+        pages may have moved between groups, free)."""
+        keep = tuple(keep) or tuple(() for _ in self.groups)
+        if self._take_pages(demands, keep):
+            return True
+        self._flush(keep)  # fragmented: every unused page back, then once more
+        return self._take_pages(demands, keep)
+
+    def _take_pages(self, demands: Sequence[int], keep: Sequence[Collection[int]]) -> bool:
         for group, need in enumerate(demands):
             missing = need - self.pools[group].num_allocatable_blocks
             while missing > 0:
                 taken = self._grow(group, missing)
-                if not taken and not self._reclaim(group, demands):
+                if not taken and not self._reclaim(group, demands, keep):
                     return False
                 missing -= taken
+        return True
+
+    def _flush(self, keep: Sequence[Collection[int]]) -> None:
+        """Give the arena back every page no table holds (the cached ones evicted) but those
+        of `keep`: pages of mixed sizes left free among used ones can leave no gap a large
+        page fits, while the free bytes would hold it. With no page used, the arena is whole
+        again, so a sequence that fits the reservation alone is always admitted."""
+        for group, pool in enumerate(self.pools):
+            unused = pool.free_block_ids() + [block_id for block_id in pool.evictable_block_ids()
+                                              if block_id not in keep[group]]
+            if unused:
+                self._release(group, unused)
+
+    def make_free(self, demands: Sequence[int]) -> bool:
+        """Like `make_allocatable`, from free blocks and the arena's free bytes only: no
+        cached block is evicted and no group gives up a page (speculative drafts' rule)."""
+        for group, need in enumerate(demands):
+            missing = need - self.pools[group].num_free_blocks
+            if missing > 0 and self._grow(group, missing) < missing:
+                return False
         return True
 
     def _grow(self, group: int, count: int) -> int:
@@ -117,9 +149,10 @@ class HybridBlockPool:
             self.pools[group].add_blocks(new_ids)
         return len(new_ids)
 
-    def _reclaim(self, group: int, demands: Sequence[int]) -> bool:
+    def _reclaim(self, group: int, demands: Sequence[int],
+                 keep: Sequence[Collection[int]]) -> bool:
         """Give the arena back another group's spare pages: every free one, else the least
-        recently used cached one; False if no group has a spare page."""
+        recently used cached one not in `keep`; False if no group has a spare page."""
         spares = {other: self.pools[other].num_allocatable_blocks - demands[other]
                   for other in range(self.num_groups) if other != group}
         for other, spare in spares.items():
@@ -127,9 +160,12 @@ class HybridBlockPool:
             if free:
                 self._release(other, free)
                 return True
-        candidates = [(self.pools[other].last_use(ids[0]), other, ids[0])
-                      for other, spare in spares.items() if spare > 0
-                      for ids in [self.pools[other].evictable_block_ids()] if ids]
+        candidates = []
+        for other, spare in spares.items():
+            oldest = next((block_id for block_id in self.pools[other].evictable_block_ids()
+                           if block_id not in keep[other]), None) if spare > 0 else None
+            if oldest is not None:
+                candidates.append((self.pools[other].last_use(oldest), other, oldest))
         if not candidates:
             return False
         _, other, block_id = min(candidates)

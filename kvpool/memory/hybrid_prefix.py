@@ -34,6 +34,15 @@ class GroupMatch:
     def num_cached_tokens(self) -> int:
         return self.matches[0].num_cached_tokens
 
+    @property
+    def num_query_blocks(self) -> int:
+        return self.matches[0].num_query_blocks
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's blocks (what the block statistics and events report)."""
+        return self.matches[0].block_ids
+
 
 def match_groups(groups: Sequence[KVGroup], pools: Sequence[BlockPool],
                  block_hashes: Sequence[BlockHash], token_ids: Sequence[int]) -> GroupMatch:

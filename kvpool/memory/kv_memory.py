@@ -24,7 +24,7 @@ sequences) is derived here once, from the pool's largest size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_listener import KVListeners
 from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
 from kvpool.memory.pool_rates import PoolRates
+from kvpool.memory.prefix_cache import BlockHash, PrefixMatch
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
 from kvpool.memory.tiers.disk_tier import DiskKVTier
 from kvpool.memory.tiers.host_tier import HostKVTier
@@ -108,10 +109,37 @@ class KVMemory:
         """Whether `num_tokens` tokens fit in the whole pool at its largest, alone."""
         return self.layout.num_blocks_for_tokens(num_tokens) <= self.max_num_blocks
 
+    def max_concurrency(self, max_model_len: int) -> float:
+        """Requests of `max_model_len` tokens the pool at its largest holds at once."""
+        return self.layout.max_concurrency(self.max_num_blocks, max_model_len)
+
+    # ------------------------------------------------- the KV cache manager's
+    # (`HybridKVMemory` answers the same questions per KV cache group.)
+    def new_block_table(self) -> BlockTable:
+        return BlockTable(self.pool)
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash],
+                     token_ids: Sequence[int]) -> PrefixMatch:
+        return self.pool.match_prefix(block_hashes, token_ids)
+
+    def blocks_to_admit(self, match: PrefixMatch, num_tokens: int) -> int:
+        return self.pool.num_blocks_to_admit(match, num_tokens)
+
+    @staticmethod
+    def demand(table: BlockTable, num_new_tokens: int) -> int:
+        return table.num_blocks_to_append(num_new_tokens)
+
+    def has_free_blocks(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` fresh blocks are free now (no eviction, no growth)."""
+        return num_blocks <= self.pool.num_free_blocks
+
     # --------------------------------------------------------------- resizing
-    def grow_until_allocatable(self, num_blocks: int) -> bool:
-        """Grow (an elastic pool, a segment at a time) until `num_blocks` blocks are
-        allocatable; False if the budget cannot give them (a static pool never grows)."""
+    def grow_until_allocatable(self, num_blocks: int, keep_watermark: bool = False) -> bool:
+        """Grow (an elastic pool, a segment at a time) until `num_blocks` blocks (plus
+        `watermark_blocks` with `keep_watermark`) are allocatable; False if the budget cannot
+        give them (a static pool never grows)."""
+        if keep_watermark:
+            num_blocks += self.watermark_blocks
         while self.pool.num_allocatable_blocks < num_blocks:
             if not self.sizing.grow():
                 return False

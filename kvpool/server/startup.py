@@ -2,10 +2,11 @@
 cache size and maximum concurrency: the model, its dtype, the KV cache's dtype, the KV pool's
 size in blocks and tokens, and how many requests of `max_model_len` tokens fit at once.
 
-Maximum concurrency is vLLM's figure, `memory_stats().max_concurrency` (its one owner is
-`KVLayout.max_concurrency`): KV tokens / max_model_len (a request of the full length needs that
-many slots; shorter ones fit more). It counts the device pool at its largest only: a host tier
-holds swapped-out requests, not running ones.
+Maximum concurrency is vLLM's figure, `memory_stats().max_concurrency` (its owner is the KV
+memory: `KVLayout.max_concurrency` with one KV cache group, `kv_groups.max_concurrency` with a
+sliding-window group, whose requests hold only their window's blocks there): the requests of
+max_model_len tokens, each decoding, that fit at once (shorter ones fit more). It counts the
+device pool at its largest only: a host tier holds swapped-out requests, not running ones.
 """
 
 from __future__ import annotations

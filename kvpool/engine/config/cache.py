@@ -43,6 +43,9 @@ class CacheConfig:
         choices=tuple(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = option(0.9)
     enable_prefix_caching: bool = option(True)
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "keep every layer's KV for every token; by default a sliding-window layer "
+        "keeps only its window's blocks (kvpool.memory.kv_groups)")
     watermark: float = option(
         0.01, "fraction of KV blocks admission leaves free for running sequences")
     kv_pool: str = option(

@@ -67,7 +67,7 @@ def _sequence_views(requests: Iterable[Request],
             status = "swapped" if swapped else "running" if seq.status is running else "waiting"
             views.append(SequenceView(
                 request_id, seq.index, status, seq.num_tokens, seq.num_computed_tokens,
-                tuple(seq.block_table.block_ids), tuple(swapped), cache_salt=salt))
+                tuple(seq.block_table.live_block_ids), tuple(swapped), cache_salt=salt))
     return views
 
 

@@ -1,0 +1,162 @@
+"""The hybrid KV manager in the engine: sliding-window layers keep only their window's blocks,
+and nothing a user sees changes. Tiny random checkpoints written by transformers (Gemma 3: five
+sliding layers to one full; Mistral: every layer windowed; Ministral: both, by `layer_types`),
+windows of 8 tokens, shorter than the prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import LLMEngine
+from kvpool.engine.sampling_params import SamplingParams
+from kvpool.engine.setup import build_engine_parts
+from kvpool.memory.block_pool import NULL_BLOCK_ID
+from kvpool.memory.hybrid_memory import HybridKVMemory
+from kvpool.memory.kv_groups import max_concurrency
+from kvpool.memory.kv_memory import KVMemory
+from kvpool.model.hf_config import config_from_hf
+from kvpool.model.loaders import load_model
+from tests.engine.conftest import run_all, token_ids
+from tests.model.test_architectures import greedy_hf, save_tiny
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["gemma3_text", "mistral", "ministral"])
+def checkpoint(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_model = save_tiny(directory, request.param)
+    return load_model(str(directory), dtype="float32"), hf_model
+
+
+def engine_over(loaded, **options) -> LLMEngine:
+    config = EngineConfig(**{"dtype": "float32", "enable_warmup": False, "block_size": 4,
+                             "kv_cache_memory": 1 << 22, **options})
+    return LLMEngine(config, build_engine_parts(config, loaded))
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    lengths = (5, 37, 90, 61)
+    found = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+    found.append([*found[2][:44], 7, 8])  # shares 11 blocks with another prompt
+    return found
+
+
+def finish(engine: LLMEngine) -> None:
+    assert engine.memory_stats().num_used_blocks == 0
+    engine.check_invariants()
+    engine.close()
+
+
+def crowd() -> list[list[int]]:
+    """Eight prompts that decode long together: 30 blocks' worth of memory preempts them."""
+    generator = torch.Generator().manual_seed(9)
+    return [torch.randint(0, 256, (40,), generator=generator).tolist() for _ in range(8)]
+
+
+@pytest.mark.parametrize(("options", "workload", "max_tokens"), [
+    ({}, prompts, 12),
+    ({"max_num_batched_tokens": 16}, prompts, 12),  # chunked prefill, chunks past the window
+    ({"num_gpu_blocks": 30, "max_num_seqs": 8}, crowd, 60),  # preempted, recomputed
+], ids=["batched", "chunked", "preempted"])
+def test_hybrid_on_and_off_give_transformers_tokens(checkpoint, options, workload, max_tokens):
+    loaded, hf_model = checkpoint
+    expected = [greedy_hf(hf_model, prompt, max_tokens) for prompt in workload()]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for hybrid in (True, False):
+        engine = engine_over(loaded, disable_hybrid_kv_cache_manager=not hybrid, **options)
+        assert isinstance(engine.kv_memory, HybridKVMemory if hybrid else KVMemory)
+        assert token_ids(run_all(engine, workload(), params)) == expected, f"hybrid={hybrid}"
+        if "num_gpu_blocks" in options:
+            assert engine.stats().num_preemptions > 0
+        finish(engine)
+
+
+def test_forked_samples_are_the_same_with_the_hybrid_manager_off(checkpoint):
+    loaded, _ = checkpoint
+    params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=20, ignore_eos=True)
+    outputs = {}
+    for hybrid in (True, False):
+        engine = engine_over(loaded, disable_hybrid_kv_cache_manager=not hybrid)
+        done = run_all(engine, prompts()[1:3], params)
+        outputs[hybrid] = [[c.token_ids for c in output.outputs] for output in done]
+        finish(engine)
+    assert outputs[True] == outputs[False]
+    assert len({tuple(c) for c in outputs[True][0]}) > 1, "the samples should differ"
+
+
+def test_a_repeated_long_prompt_hits_the_prefix_cache(checkpoint):
+    loaded, _ = checkpoint
+    engine = engine_over(loaded)
+    prompt = prompts()[2]  # 90 tokens, windows of 8
+    first = run_all(engine, [prompt], GREEDY)[0]
+    second = run_all(engine, [prompt], GREEDY)[0]
+    assert second.num_cached_tokens == 88  # 22 blocks: all but the last token's
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    finish(engine)
+
+
+def test_sliding_blocks_stay_within_the_window_over_a_long_generation(smollm2):
+    """A 2,000-token generation on a window-32 model: its window group holds at most
+    ceil(32 / 16) + 1 blocks after every step, the full group one per 16 tokens."""
+    import transformers
+
+    hf = transformers.MinistralConfig(
+        vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_hidden_layers=2,
+        sliding_window=32, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "full_attention"])
+    config = dataclasses.replace(config_from_hf(hf.to_dict()), eos_token_ids=())
+    loaded = load_model(config, load_format="dummy", seed=1)
+    engine = engine_over(loaded, block_size=16, kv_cache_memory=1 << 24)
+    engine.add_request({"prompt_token_ids": list(range(1, 41))},
+                       SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    full, window = engine.kv_memory.groups
+    assert (full.window, window.window) == (None, 32)
+    most_held = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.requests.values():
+            for seq in request.sequences:
+                full_table, window_table = seq.block_table.tables
+                held = len(window_table.live_block_ids)
+                assert held <= window.max_live_blocks == 3
+                assert full_table.num_blocks == -(-seq.num_computed_tokens // 16)
+                assert NULL_BLOCK_ID not in full_table.block_ids
+                most_held = max(most_held, held)
+    assert most_held == 3
+    finish(engine)
+
+
+def test_max_concurrency_counts_only_the_window(checkpoint):
+    loaded, _ = checkpoint
+    hybrid, padded = engine_over(loaded), engine_over(loaded,
+                                                      disable_hybrid_kv_cache_manager=True)
+    memory = hybrid.kv_memory
+    expected = max_concurrency(memory.groups, memory.num_usable_bytes, hybrid.max_model_len)
+    assert hybrid.memory_stats().max_concurrency == pytest.approx(expected)
+    # Ministral's tiny model: 1 full layer and 2 of window 8, at 512 tokens: nearly 3x.
+    assert hybrid.memory_stats().max_concurrency > 2.5 * padded.memory_stats().max_concurrency
+    finish(hybrid)
+    finish(padded)
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"swap_space": 0.01}, "--swap-space"),
+    ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype int8"),
+    ({"kv_pool": "elastic"}, "--kv-pool elastic"),
+])
+def test_what_keeps_one_group_turns_the_hybrid_manager_off_and_says_why(
+        checkpoint, options, reason, caplog):
+    loaded, _ = checkpoint
+    with caplog.at_level(logging.INFO, logger="kvpool.engine.setup"):
+        engine = engine_over(loaded, **options)
+    assert isinstance(engine.kv_memory, KVMemory)
+    assert f"hybrid KV cache manager off ({reason})" in caplog.text
+    finish(engine)
