@@ -76,6 +76,10 @@ def format_capacity(result: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """The benchmark of `kvpool bench kv-capacity` (flags: kvpool.cli.bench)."""
+    if args.hybrid:
+        from kvpool.bench import hybrid_capacity
+
+        return hybrid_capacity.run(args)
     result = run_capacity(args.model, args.block_size, args.kv_cache_memory)
     print(json.dumps(result) if args.json else format_capacity(result))
     return 0

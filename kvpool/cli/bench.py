@@ -239,10 +239,18 @@ def add_precision_args(parser: Parser) -> None:
 
 
 def add_kv_capacity_args(parser: Parser) -> None:
-    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF "
+                        "(with --hybrid: the gemma-3-1b preset)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=parse_size, default=2**30,
                         help="the budget, e.g. 1GiB (default)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="requests of each --max-model-len held at once, hybrid KV manager "
+                        "on and off")
+    parser.add_argument("--max-model-len", type=int, nargs="+", default=[4096, 8192, 32768],
+                        help="with --hybrid: the request lengths (default 4096 8192 32768)")
+    parser.add_argument("--chunk", type=int, default=2048,
+                        help="with --hybrid: prompt tokens computed per step (default 2048)")
 
 
 def add_kv_granularity_args(parser: Parser) -> None:

@@ -82,17 +82,26 @@ class GroupBlockTables:
 
     # ------------------------------------------------------------------ growth
     def append_slots(self, num_new_tokens: int) -> list[BlockCopy]:
-        """`BlockTable.append_slots` in every group, all or nothing across them."""
+        """`BlockTable.append_slots` in every group, all or nothing across them (but for the
+        dead blocks each window drops first, so that their pages count as allocatable)."""
+        self.drop_dead_blocks()
         demands = self.group_demands(num_new_tokens)
         if not self.pool.make_allocatable(demands):
             raise OutOfBlocksError(sum(demands), 0, 0)
         return self._tagged([table.append_slots(num_new_tokens) for table in self.tables])
 
     def append_tentative_slots(self, num_draft_tokens: int) -> list[BlockCopy]:
+        self.drop_dead_blocks()
         demands = self.group_demands(num_draft_tokens)
         if not self.pool.make_allocatable(demands):
             raise OutOfBlocksError(sum(demands), 0, 0)
         return self._tagged([t.append_tentative_slots(num_draft_tokens) for t in self.tables])
+
+    def drop_dead_blocks(self) -> None:
+        """Every window group releases what no later query reads (`BlockTable`)."""
+        for table in self.tables:
+            if table.group is not None:
+                table.drop_dead_blocks()
 
     def commit_tentative(self, num_accepted: int) -> list[int]:
         """Every group keeps the same drafts; returns the first group's blocks given back
