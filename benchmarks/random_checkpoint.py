@@ -31,14 +31,11 @@ def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16")
     so a partial write never stands in for a whole one."""
     import torch
     from safetensors.torch import save_file
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from kvpool.model.loaders.dummy import DummyLoader
-    from kvpool.model.presets import preset, preset_config_json
+    from kvpool.model.presets import preset
 
-    config, fields = preset(name), preset_config_json(name)
-    fields["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[fields["model_type"]]]
-    fields["torch_dtype"] = dtype
+    config, fields = preset(name), checkpoint_config_json(name, dtype)
     if config.vocab_size < 49152:
         raise ValueError(f"{name}'s vocabulary ({config.vocab_size}) is smaller than SmolLM2's")
     partial = directory.with_name(directory.name + ".partial")
@@ -52,6 +49,19 @@ def write_random_checkpoint(name: str, directory: Path, dtype: str = "bfloat16")
     _copy_tokenizer(partial)
     partial.rename(directory)
     return directory
+
+
+def checkpoint_config_json(name: str, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The `config.json` fields of preset `name` as a checkpoint in `dtype` holds them: the
+    preset's own fields plus the `architectures` entry vLLM picks its model class by."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from kvpool.model.presets import preset_config_json
+
+    fields = preset_config_json(name)
+    fields["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[fields["model_type"]]]
+    fields["torch_dtype"] = dtype
+    return fields
 
 
 def transformers_shapes(fields: dict[str, Any]) -> dict[str, tuple[int, ...]]:
