@@ -112,8 +112,11 @@ class BlockTable:
         """
         if num_new_tokens <= 0:
             return []
-        if self.group is not None:
-            self.drop_dead_blocks()
+        if self.group is not None:  # the step's first query is at num_tokens: what it
+            self.drop_dead_blocks()  # cannot read is dead
+        return self._append(num_new_tokens)
+
+    def _append(self, num_new_tokens: int) -> list[BlockCopy]:
         num_new_blocks = self.num_blocks_to_append(num_new_tokens)
         copies = self._grow(num_new_blocks) if num_new_blocks else []
         size = self.block_size
@@ -151,7 +154,8 @@ class BlockTable:
     def append_tentative_slots(self, num_draft_tokens: int) -> list[BlockCopy]:
         """Slots for `num_draft_tokens` drafted tokens after the filled ones, tentative until
         `commit_tentative` (`append_slots`' rules: all or nothing)."""
-        copies = self.append_slots(num_draft_tokens)
+        # No drop: the step's own tokens, before the drafts, have queries that read further back.
+        copies = self._append(num_draft_tokens) if num_draft_tokens > 0 else []
         self.num_tentative += max(num_draft_tokens, 0)
         return copies
 

@@ -11,9 +11,9 @@ KV is one strided view of the buffer, indexed by those ids directly:
 Layer i of the model is `kv_g[:, j]`, j its index within its group; the attention kernels take
 any dim-0 stride. Row 0 of every group is the null page (the first max-page bytes, zero).
 
-Invariants: views never change; the null page stays zero; a copy moves a block within its
-group. Quantized KV (int8 / fp8 scales) is not laid out here: the engine keeps one group
-for it (`kvpool.engine.setup`).
+Invariants: views never change; the buffer starts zeroed and the null page stays zero; a copy
+moves a block within its group. Quantized KV (int8 / fp8 scales) is not laid out here: the
+engine keeps one group for it (`kvpool.engine.setup`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ class GroupedKVCache:
         self.group_layouts: tuple[KVLayout, ...] = tuple(g.layout for g in pool.groups)
         if any(layout.is_quantized for layout in self.group_layouts):
             raise ValueError("grouped KV does not hold int8 / fp8 scales")
-        buffer[: max(pool.page_bytes)].zero_()  # the null page
+        # Zeroed once, the null page and every other: attention weighs a block's unwritten
+        # slots by 0, and 0 times stale bytes read as NaN would still be NaN.
+        buffer.zero_()
         self.tensors = tuple(self._view(buffer, group) for group in range(pool.num_groups))
         num_layers = sum(len(group.layers) for group in pool.groups)
         layer_groups, layer_views = [0] * num_layers, [None] * num_layers

@@ -91,7 +91,6 @@ class GroupBlockTables:
         return self._tagged([table.append_slots(num_new_tokens) for table in self.tables])
 
     def append_tentative_slots(self, num_draft_tokens: int) -> list[BlockCopy]:
-        self.drop_dead_blocks()
         demands = self.group_demands(num_draft_tokens)
         if not self.pool.make_allocatable(demands):
             raise OutOfBlocksError(sum(demands), 0, 0)

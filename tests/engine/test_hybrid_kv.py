@@ -160,3 +160,16 @@ def test_what_keeps_one_group_turns_the_hybrid_manager_off_and_says_why(
     assert isinstance(engine.kv_memory, KVMemory)
     assert f"hybrid KV cache manager off ({reason})" in caplog.text
     finish(engine)
+
+
+def test_drafts_and_the_warm_up_run_on_the_hybrid_pool(checkpoint):
+    """Speculative decoding's tentative slots in every group, and the engine's warm-up."""
+    loaded, hf_model = checkpoint
+    expected = [greedy_hf(hf_model, prompt, 12) for prompt in prompts()]
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                   "prompt_lookup_min": 1}
+    engine = engine_over(loaded, speculative_config=speculative, enable_warmup=True)
+    assert isinstance(engine.kv_memory, HybridKVMemory)
+    assert token_ids(run_all(engine, prompts(), GREEDY)) == expected
+    assert engine.stats().spec_decode.num_draft_tokens > 0
+    finish(engine)
