@@ -206,7 +206,9 @@ def test_grounded_workload_end_to_end_copies_and_speculation_pays_off(tmp_path):
     ]  # fmt: skip
     assert main(argv) == 0
     grounded, chat = json.loads(path.read_text())["dtypes"][0]["results"]
-    assert grounded["output_3grams_in_prompt"] > 0.6  # the answers copy their prompts
+    # The answers copy their prompts. The passages are kvpool's own docstrings and code, so
+    # which three are drawn changes with the tree: 0.91 and 0.55 were both seen.
+    assert grounded["output_3grams_in_prompt"] > 0.4
     assert chat["output_3grams_in_prompt"] < 0.2  # these have nothing to copy
     for row in (grounded, chat):
         spec = row["settings"]["ngram-k3"]

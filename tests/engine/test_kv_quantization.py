@@ -102,19 +102,42 @@ def int8_reference(smollm2):
     return [token_ids(run_all(engine, [prompt]))[0] for prompt in MIXED_PROMPTS]
 
 
+# Batching moves float32 sums in their last bits (oneDNN's matmuls are not row-invariant; on a
+# machine with AMX, 2 of these 16 prompts part from their one-at-a-time answers even in a float
+# engine), and int8 codes round such bits either way, so an int8 engine parts more often. Where
+# an answer parts from the reference, it must be at a near-tie: the two tokens' logprobs
+# within NEAR_TIE there. Scales lost or misplaced by a copy, a hit or a migration part answers
+# by far more, and early.
+NEAR_TIE = 0.1
+TRACED = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True,
+                        logprobs=2)
+
+
+def assert_same_but_at_near_ties(outputs, reference: list[list[int]]) -> None:
+    for output, expected in zip(outputs, reference, strict=True):
+        completion = output.outputs[0]
+        index = first_divergence(expected, completion.token_ids)
+        if index is None:
+            continue
+        here = completion.logprobs[index]
+        ours, theirs = completion.token_ids[index], expected[index]
+        assert theirs in here, (output.request_id, index, "the reference token is far behind")
+        assert here[ours].logprob - here[theirs].logprob < NEAR_TIE, (output.request_id, index)
+
+
 def test_int8_batched_cached_and_warmed_up_equals_one_at_a_time(make_engine, int8_reference):
     engine = make_engine(dtype="float32", kv_cache_dtype="int8", kv_cache_memory=KV_MEMORY,
                          max_num_batched_tokens=256, max_model_len=2048, enable_warmup=True)
-    assert token_ids(run_all(engine, MIXED_PROMPTS)) == int8_reference
-    again = run_all(engine, MIXED_PROMPTS)  # prefix-cache hits read cached codes and scales
-    assert token_ids(again) == int8_reference
+    assert_same_but_at_near_ties(run_all(engine, MIXED_PROMPTS, TRACED), int8_reference)
+    again = run_all(engine, MIXED_PROMPTS, TRACED)  # hits read cached codes and scales
+    assert_same_but_at_near_ties(again, int8_reference)
     assert engine.memory_stats().prefix_cache_hits_tokens > 0
 
 
 def test_int8_preemption_and_recompute_keep_outputs(make_engine, int8_reference):
     engine = make_engine(dtype="float32", kv_cache_dtype="int8", num_gpu_blocks=64,
                          max_model_len=1024, enable_prefix_caching=False)
-    assert token_ids(run_all(engine, MIXED_PROMPTS)) == int8_reference
+    assert_same_but_at_near_ties(run_all(engine, MIXED_PROMPTS, TRACED), int8_reference)
     assert engine.stats().num_preemptions > 0
 
 
@@ -131,10 +154,10 @@ def test_an_elastic_int8_pool_migrates_codes_and_scales(make_engine, int8_refere
     engine = make_engine(dtype="float32", kv_cache_dtype="int8", kv_cache_memory=KV_MEMORY,
                          kv_pool="elastic", kv_pool_segment_blocks=8, kv_pool_initial_blocks=0,
                          kv_pool_idle_seconds=0.0, enable_prefix_caching=False)
-    first = run_all(engine, MIXED_PROMPTS[:8])
+    first = run_all(engine, MIXED_PROMPTS[:8], TRACED)
     engine.resize_kv_pool()  # idle: segments go back, live ones migrate
-    second = run_all(engine, MIXED_PROMPTS[8:])
-    assert token_ids(first + second) == int8_reference
+    second = run_all(engine, MIXED_PROMPTS[8:], TRACED)
+    assert_same_but_at_near_ties(first + second, int8_reference)
     assert engine.kv_pool_stats().num_grows > 0
 
 
