@@ -251,6 +251,12 @@ def add_kv_capacity_args(parser: Parser) -> None:
                         help="with --hybrid: the request lengths (default 4096 8192 32768)")
     parser.add_argument("--chunk", type=int, default=2048,
                         help="with --hybrid: prompt tokens computed per step (default 2048)")
+    parser.add_argument("--long-context", action="store_true",
+                        help="with --hybrid: run long prompts through engines with it on and "
+                        "off instead (throughput, preemptions)")
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=3000)
+    parser.add_argument("--output-len", type=int, default=32)
 
 
 def add_kv_granularity_args(parser: Parser) -> None:

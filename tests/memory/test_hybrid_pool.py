@@ -66,14 +66,19 @@ def test_dropped_blocks_stay_cached_and_a_repeat_prompt_hits_in_every_group():
     pool.check_invariants()
 
 
-def test_a_hit_stops_where_a_sliding_group_lost_the_window():
-    groups = gemma_like_groups(window=8)
-    pool = hybrid_pool(groups, num_pages_of_largest=40)
+def cached_prompt():
+    """A pool (window 8) holding a 41-token prompt's 10 full blocks cached in both groups."""
+    pool = hybrid_pool(gemma_like_groups(window=8), num_pages_of_largest=40)
     prompt = list(range(100, 141))
     first = SequenceBlocks(pool)
     first.append_tokens(prompt)
     hashes = list(first.block_hashes)
     first.free()
+    return pool, prompt, hashes
+
+
+def test_a_hit_stops_where_a_sliding_group_lost_the_window():
+    pool, prompt, hashes = cached_prompt()
     sliding_pool = pool.pools[1]
     last = sliding_pool.prefix_cache.lookup(hashes[9], prompt[36:40])
     sliding_pool.remove_blocks([last])  # the window group lost block 9 (evicted)
@@ -84,13 +89,7 @@ def test_a_hit_stops_where_a_sliding_group_lost_the_window():
 
 
 def test_a_full_group_miss_cuts_the_hit_for_every_group():
-    groups = gemma_like_groups(window=8)
-    pool = hybrid_pool(groups, num_pages_of_largest=40)
-    prompt = list(range(100, 141))
-    first = SequenceBlocks(pool)
-    first.append_tokens(prompt)
-    hashes = list(first.block_hashes)
-    first.free()
+    pool, prompt, hashes = cached_prompt()
     full_pool = pool.pools[0]
     third = full_pool.prefix_cache.lookup(hashes[2], prompt[8:12])
     full_pool.remove_blocks([third])
