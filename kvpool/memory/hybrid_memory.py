@@ -3,7 +3,8 @@
     HybridKVMemory
       layout      the model's KVLayout (every layer): block size, dtype, bytes per token
       groups      KVGroup per attention kind and window (`kvpool.memory.kv_groups`)
-      arena       one reservation: the null page, then every group's pages, carved on demand
+      arena       the books of one reservation: the null page, then every group's pages,
+                  carved on demand (the bytes themselves are the grouped cache's buffer)
       hybrid      HybridBlockPool: a block pool per group over that arena
       kv_cache    GroupedKVCache: each group's strided view of the arena, per-layer views
       pool        the first group's pool (the full-attention group's, if the model has one):
@@ -61,9 +62,14 @@ class HybridKVMemory:
         if num_bytes < sum(group.layout.bytes_per_block for group in self.groups):
             raise ValueError(f"a KV budget of {num_bytes} bytes cannot hold one block of "
                              "every group")
-        self.arena = Arena.reserve(align_up(null_bytes + num_bytes, 256), device)
+        num_reserved = align_up(null_bytes + num_bytes, 256)
+        # The arena keeps the books of the KV buffer's bytes over a meta tensor of its size:
+        # the pools (which finished sequences' tables may keep alive until a collection)
+        # never hold the KV itself; the grouped cache does.
+        self.arena = Arena.reserve(num_reserved, "meta")
         self.hybrid = HybridBlockPool(self.groups, self.arena, enable_prefix_caching)
-        self.kv_cache = GroupedKVCache(self.hybrid, self.arena.buffer)
+        buffer = torch.empty(num_reserved, dtype=torch.uint8, device=device)
+        self.kv_cache = GroupedKVCache(self.hybrid, buffer)
         self.pool = self.hybrid.pools[0]
         self.num_usable_bytes = self.arena.num_reserved_bytes - self.hybrid.unit * (
             -(-null_bytes // self.hybrid.unit))

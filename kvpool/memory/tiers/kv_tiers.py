@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.kv_cache import KVCache
@@ -90,9 +91,12 @@ class KVTiers(KVListener):
         host = self.host
         self._lookup = TierLookup(device_pool.block_size, self.tiers)
         self.bytes_per_block = device_pool.layout.bytes_per_block
+        # The callback holds the pools, not this object: a cycle through it would keep the
+        # device KV alive after the engine is dropped, until a full collection.
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
                                      host.pool.free if host else _nothing_to_release,
-                                     on_unfilled=self._unpublish)
+                                     on_unfilled=partial(_unpublish, device_pool,
+                                                         host.pool if host else None))
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []
         if self.tiers:
             device_pool.listeners.add(self, reacts=True)
@@ -217,15 +221,6 @@ class KVTiers(KVListener):
         leave the device's prefix cache before the error goes on (`_unpublish`)."""
         self.transfers.run(written_block_ids)
 
-    def _unpublish(self, device_ids: list[int], host_ids: list[int]) -> None:
-        """Blocks a failed copy left without their KV: reloaded or swapped-in device blocks
-        (published at admission; the step's roll-back frees them) and spilled host blocks
-        (published when spilled) must not be found under their hashes."""
-        for block_id in device_ids:
-            self.device_pool.unpublish(block_id)
-        for block_id in host_ids:
-            self.host.pool.unpublish(block_id)
-
     def step_ended(self, next_step: int) -> None:
         self.after_step()
 
@@ -271,6 +266,8 @@ class KVTiers(KVListener):
                 _write_host_block(host, host_id, disk)
         for tier in reversed(self.tiers):
             tier.close()
+        if self in self.device_pool.listeners:  # the pool would keep this and the KV alive
+            self.device_pool.listeners.remove(self)
 
     def reset(self) -> None:
         """With no sequence swapped: spilled host blocks dropped, counters zero (the disk
@@ -331,3 +328,15 @@ def _write_host_block(host: HostKVTier, host_id: int, disk: DiskKVTier,
 
 def _nothing_to_release(host_ids: Sequence[int]) -> None:
     raise AssertionError("no host tier holds blocks")
+
+
+def _unpublish(device_pool: BlockPool, host_pool: BlockPool | None, device_ids: list[int],
+               host_ids: list[int]) -> None:
+    """Blocks a failed copy left without their KV: reloaded or swapped-in device blocks
+    (published at admission; the step's roll-back frees them) and spilled host blocks
+    (published when spilled) must not be found under their hashes."""
+    for block_id in device_ids:
+        device_pool.unpublish(block_id)
+    for block_id in host_ids:
+        assert host_pool is not None, "a host block without a host tier"
+        host_pool.unpublish(block_id)
