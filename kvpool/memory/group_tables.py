@@ -85,16 +85,18 @@ class GroupBlockTables:
         """`BlockTable.append_slots` in every group, all or nothing across them (but for the
         dead blocks each window drops first, so that their pages count as allocatable)."""
         self.drop_dead_blocks()
-        demands = self.group_demands(num_new_tokens)
-        if not self.pool.make_allocatable(demands):
-            raise OutOfBlocksError(sum(demands), 0, 0)
+        self._reserve(num_new_tokens)
         return self._tagged([table.append_slots(num_new_tokens) for table in self.tables])
 
     def append_tentative_slots(self, num_draft_tokens: int) -> list[BlockCopy]:
-        demands = self.group_demands(num_draft_tokens)
+        self._reserve(num_draft_tokens)
+        return self._tagged([t.append_tentative_slots(num_draft_tokens) for t in self.tables])
+
+    def _reserve(self, num_new_tokens: int) -> None:
+        """Pages for every group's new blocks, or OutOfBlocksError with nothing taken."""
+        demands = self.group_demands(num_new_tokens)
         if not self.pool.make_allocatable(demands):
             raise OutOfBlocksError(sum(demands), 0, 0)
-        return self._tagged([t.append_tentative_slots(num_draft_tokens) for t in self.tables])
 
     def drop_dead_blocks(self) -> None:
         """Every window group releases what no later query reads (`BlockTable`)."""
