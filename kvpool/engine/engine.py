@@ -253,7 +253,7 @@ class LLMEngine:
         clock = self.step_stats.clock()
         now = time.monotonic()
         self.parts.cpu_threads.before_step(now)
-        self._set_pool_clocks(now)
+        self.kv_memory.set_clock(now)
         self.resize_kv_pool()
         return clock
 
@@ -301,13 +301,6 @@ class LLMEngine:
                                                   len(longest.output_token_ids), str(reason))
 
     # ------------------------------------------------------------ KV pool
-    def _set_pool_clocks(self, now: float) -> None:
-        """The pools stamp blocks with this time as they change hands (their last-use age)."""
-        self.kv_memory.pool.now = now
-        for tier in self.kv_tiers.tiers:
-            if tier.pool is not None:
-                tier.pool.now = now
-
     def resize_kv_pool(self) -> None:
         """Let KV memory grow or give memory back now. `step()` does this first; an idle
         server loop may call it between steps so that idle memory is still given back."""
@@ -342,7 +335,7 @@ class LLMEngine:
     def kv_snapshot(self) -> KVSnapshot:
         """Every block, every block table and the derived figures, as of now (between steps:
         the async engine takes it on its own thread); `kvpool.engine.observability.snapshot`."""
-        self._set_pool_clocks(time.monotonic())
+        self.kv_memory.set_clock(time.monotonic())
         return take_kv_snapshot(self.kv_memory, self.requests.values(),
                                 self.scheduler.kv.swapped_host_blocks,
                                 self.step_stats.num_steps, self.kv_memory.rates.rates())
@@ -372,7 +365,7 @@ class LLMEngine:
         """Assert the scheduler's and KV memory's invariants (O(everything); for tests)."""
         sequences = [seq for request in self.requests.values() for seq in request.sequences]
         self.scheduler.check_invariants(sequences)
-        self.kv_memory.check_invariants(self.scheduler.kv.num_swapped_host_blocks)
+        self.kv_memory.check_invariants(self.scheduler.kv.swapped)
 
     def default_sampling_params(self) -> dict[str, float]:
         """SamplingParams field -> value for the fields the model's generation config sets

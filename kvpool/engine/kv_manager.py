@@ -46,7 +46,8 @@ from kvpool.memory.group_tables import GroupBlockTables
 from kvpool.memory.hybrid_memory import HybridKVMemory
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.prefix_cache import PrefixMatch, hash_full_blocks
-from kvpool.memory.tiers.kv_tiers import TIERS
+from kvpool.memory.tiers.group_tiers import GroupTierMatch
+from kvpool.memory.tiers.kv_tiers import TIERS, SwappedKV
 from kvpool.memory.tiers.tier_match import TierMatch
 
 
@@ -59,8 +60,8 @@ class AdmissionPlan:
     prefix: PrefixMatch
     num_new_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix caches of every tier
-    below: TierMatch = field(default_factory=TierMatch)
-    swapped_host_ids: list[int] | None = None
+    below: TierMatch | GroupTierMatch = field(default_factory=TierMatch)
+    swapped: SwappedKV | None = None
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ class KVCacheManager:
         self.policy = policy or PreemptionPolicy(RECOMPUTE, self.layout.bytes_per_block,
                                                  lambda num_tokens: 0.0)
         self.counters = SwapCounters()
-        self._swapped: dict[int, list[int]] = {}  # seq_id -> the host blocks it owns
+        self._swapped: dict[int, SwappedKV] = {}  # seq_id -> the host blocks it owns
         self.listeners = memory.listeners
 
     def new_block_table(self) -> BlockTable | GroupBlockTables:
@@ -147,18 +148,19 @@ class KVCacheManager:
         num_new = _num_new_tokens(seq.num_uncomputed_tokens, token_budget, allow_partial)
         if num_new is None:
             return None
-        prefix = self.memory.match_prefix(seq.block_hashes,
-                                          seq.token_ids(0, seq.num_computed_tokens))
-        needed = self.memory.blocks_to_admit(prefix, seq.num_computed_tokens + num_new)
+        swapped = self._swapped[seq.seq_id]
+        prefix, needed = self.memory.plan_swap_in(
+            swapped, seq.block_hashes, seq.token_ids(0, seq.num_computed_tokens),
+            seq.num_computed_tokens + num_new)
         if not self.memory.grow_until_allocatable(needed, keep_watermark):
             return None
-        return AdmissionPlan(prefix, num_new, 0, swapped_host_ids=self._swapped[seq.seq_id])
+        return AdmissionPlan(prefix, num_new, 0, swapped=swapped)
 
     def admit(self, seq: Sequence, plan: AdmissionPlan) -> list[BlockCopy]:
         """Take the planned cached prefix (copying up what was found below the device), or
         copy the sequence's swapped blocks back; then the slots of the first chunk."""
         served = None
-        if plan.swapped_host_ids is not None:
+        if plan.swapped is not None:
             self._swap_in(seq, plan)
         else:
             served = self._take_cached_prefix(seq, plan)
@@ -173,7 +175,7 @@ class KVCacheManager:
         if plan.below.num_blocks:
             self.tiers.hold(plan.below)  # before allocating: that may spill into the host tier
             table.append_slots(plan.num_cached_tokens - seq.num_computed_tokens)
-            reloaded = self.tiers.reload(plan.below, table.block_ids[len(prefix.block_ids):])
+            reloaded = self.memory.reload(plan.below, table, len(prefix.block_ids))
             for tier, num_blocks in reloaded.items():
                 counts[tier] = num_blocks * self.layout.block_size
             seq.num_computed_tokens = plan.num_cached_tokens
@@ -205,17 +207,14 @@ class KVCacheManager:
             listeners.blocks_allocated(request_id, index, block_ids[num_reused:])
 
     def _swap_in(self, seq: Sequence, plan: AdmissionPlan) -> None:
-        """The device-cached leading blocks retaken, new device blocks for the rest with the
-        host copies queued into them; the retaken blocks' host copies are freed."""
-        host_ids = self._swapped.pop(seq.seq_id)
-        table, prefix = seq.block_table, plan.prefix
-        table.take_prefix(prefix)
-        num_reused = len(prefix.block_ids)
-        self.tiers.free_swapped(host_ids[:num_reused])
-        table.append_slots(seq.num_computed_tokens - prefix.num_cached_tokens)
-        self.tiers.swap_in(host_ids[num_reused:], table.block_ids[num_reused:])
+        """The device-cached leading blocks retaken (`plan.prefix`), new device blocks for the
+        rest with the host copies queued into them (`KVMemory.swap_in`)."""
+        swapped = self._swapped.pop(seq.seq_id)
+        table = seq.block_table
+        self.memory.swap_in(table, swapped, plan.prefix, seq.num_computed_tokens)
         table.mark_computed(seq.num_computed_tokens, seq.token_ids, seq.block_hashes)
-        self.counters.num_swapped_in_blocks += len(host_ids) - num_reused
+        self.counters.num_swapped_in_blocks += swapped.num_blocks - len(
+            _held(plan.prefix.block_ids))
         self.counters.num_recompute_tokens_avoided += seq.num_computed_tokens
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
@@ -294,17 +293,17 @@ class KVCacheManager:
         kind = RECOMPUTE
         if self.tiers.has_host and seq.num_computed_tokens:
             kind = self.policy.choose(table.num_blocks, seq.num_computed_tokens)
-        host_ids = self.tiers.swap_out(table.block_ids) if kind == SWAP else None
+        swapped = self.memory.swap_out(table) if kind == SWAP else None
         self.listeners.sequence_preempted(seq.request.request_id, seq.index,
-                                          RECOMPUTE if host_ids is None else SWAP,
+                                          RECOMPUTE if swapped is None else SWAP,
                                           table.live_block_ids)
-        if host_ids is None:
+        if swapped is None:
             self.counters.num_recompute_preemptions += 1
             self._drop(seq)
             return RECOMPUTE
-        self._swapped[seq.seq_id] = host_ids
+        self._swapped[seq.seq_id] = swapped
         self.counters.num_swap_preemptions += 1
-        self.counters.num_swapped_out_blocks += len(host_ids)
+        self.counters.num_swapped_out_blocks += swapped.num_blocks
         table.free()
         return SWAP
 
@@ -321,17 +320,20 @@ class KVCacheManager:
         return seq.seq_id in self._swapped
 
     def swapped_host_blocks(self, seq: Sequence) -> list[int]:
-        """The host blocks a swapped-out sequence owns (empty for any other)."""
-        return self._swapped.get(seq.seq_id, [])
+        """The host blocks a swapped-out sequence owns in the first group (empty for any
+        other sequence)."""
+        swapped = self._swapped.get(seq.seq_id)
+        return [] if swapped is None else swapped.host_ids[0]
 
     @property
-    def num_swapped_host_blocks(self) -> int:
-        return sum(len(host_ids) for host_ids in self._swapped.values())
+    def swapped(self) -> list[SwappedKV]:
+        """What every swapped-out sequence holds on the host."""
+        return list(self._swapped.values())
 
     def free(self, seq: Sequence) -> None:
-        host_ids = self._swapped.pop(seq.seq_id, None)
-        if host_ids is not None:
-            self.tiers.free_swapped(host_ids)
+        swapped = self._swapped.pop(seq.seq_id, None)
+        if swapped is not None:
+            self.memory.free_swapped(swapped)
         self._report_free(seq)
         seq.block_table.free()
 

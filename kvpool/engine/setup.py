@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +63,12 @@ from kvpool.engine.parallel.messages import KVSpec
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.elastic_pool import ElasticPoolConfig
 from kvpool.memory.hybrid_memory import HybridKVMemory
-from kvpool.memory.kv_groups import kv_groups
+from kvpool.memory.kv_groups import KVGroup, kv_groups
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.tiers.disk_tier import DiskKVTier
+from kvpool.memory.tiers.host_tier import HostKVTier
+from kvpool.memory.tiers.lower_tier import LowerTier
 from kvpool.memory.tiers.redis_tier import RedisKVTier
 from kvpool.model.config import ModelConfig
 from kvpool.model.dtype import AUTO, resolve_dtype
@@ -155,7 +158,8 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         if why_not is None:
             kv_memory = HybridKVMemory(layout, groups, num_blocks * layout.bytes_per_block,
                                        device, enable_prefix_caching=cache.enable_prefix_caching,
-                                       watermark=cache.watermark)
+                                       watermark=cache.watermark,
+                                       lower=_group_tiers(config, groups, dtype, device))
             return EngineParts(model_config, loaded.model, loaded.tokenizer, device, dtype,
                                max_model_len, kv_memory, _sampling_defaults(config.load, loaded))
         logger.info("hybrid KV cache manager off (%s): sliding-window layers keep every block",
@@ -179,15 +183,11 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
 def _why_not_hybrid(config: EngineConfig, layout: KVLayout, tp: TensorParallel,
                     device: torch.device) -> str | None:
     """Why sliding-window layers must keep every block here, or None (vLLM, too, turns its
-    hybrid manager off for what it cannot serve). The tiers, swapping, the elastic pool,
-    quantized scales, tensor-parallel workers and CUDA graphs hold one group of KV so far."""
-    tiers = config.tiers
+    hybrid manager off for what it cannot serve). The elastic pool, quantized scales,
+    tensor-parallel workers and CUDA graphs hold one group of KV so far."""
     reasons = {
         "--disable-hybrid-kv-cache-manager": config.cache.disable_hybrid_kv_cache_manager,
         "--kv-pool elastic": config.cache.kv_pool != "static",
-        "--swap-space": tiers.swap_space > 0,
-        "--kv-disk-cache": tiers.kv_disk_cache is not None,
-        "--kv-shared-redis": tiers.kv_shared_redis is not None,
         f"--kv-cache-dtype {config.cache.kv_cache_dtype}": layout.is_quantized,
         "--tensor-parallel-size > 1": tp.is_parallel,
         "CUDA graphs (--enforce-eager lifts it)": (device.type == "cuda"
@@ -231,11 +231,34 @@ def kv_namespace(config: EngineConfig, layout: KVLayout, dtype: torch.dtype) -> 
     ])
 
 
-def _disk_tier(tiers: TierConfig, layout: KVLayout, namespace: str) -> DiskKVTier | None:
-    """The disk tier `tiers.kv_disk_cache` names, in this engine's namespace."""
+def _group_tiers(config: EngineConfig, groups: Sequence[KVGroup], dtype: torch.dtype,
+                 device: torch.device) -> list[list[LowerTier]]:
+    """Each KV cache group's host, disk and shared tiers (nearest first), in its own layout
+    and namespace (its layers named: another group's blocks are never found). The host and
+    disk budgets are split so that every group's tier holds as many blocks: the same
+    prefix's blocks are spilled and reloaded in every group."""
+    tiers, pin = config.tiers, device.type == "cuda"
+    total = sum(group.layout.bytes_per_block for group in groups)
+    lower = []
+    for group in groups:
+        share = group.layout.bytes_per_block / total
+        namespace = (f"{kv_namespace(config, group.layout, dtype)}|layers={group.layers}"
+                     f"|window={group.window}")
+        host = HostKVTier.for_budget(group.layout, int(tiers.swap_space * 2**30 * share), pin)
+        disk = _disk_tier(tiers, group.layout, namespace, int(tiers.kv_disk_cache_size * share))
+        shared = _shared_tier(tiers, group.layout, namespace)
+        lower.append([tier for tier in (host, disk, shared) if tier is not None])
+    return lower
+
+
+def _disk_tier(tiers: TierConfig, layout: KVLayout, namespace: str,
+               capacity_bytes: int | None = None) -> DiskKVTier | None:
+    """The disk tier `tiers.kv_disk_cache` names, in this engine's namespace (with its whole
+    `kv_disk_cache_size`, or `capacity_bytes`)."""
     if tiers.kv_disk_cache is None:
         return None
-    return DiskKVTier(tiers.kv_disk_cache, tiers.kv_disk_cache_size, layout, namespace)
+    capacity = tiers.kv_disk_cache_size if capacity_bytes is None else capacity_bytes
+    return DiskKVTier(tiers.kv_disk_cache, capacity, layout, namespace)
 
 
 def _shared_tier(tiers: TierConfig, layout: KVLayout, namespace: str) -> RedisKVTier | None:

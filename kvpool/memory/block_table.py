@@ -203,6 +203,23 @@ class BlockTable:
         self.num_dropped_blocks = _num_leading_nulls(self.block_ids)
         return match.num_cached_tokens
 
+    def restore(self, num_tokens: int, num_dropped: int = 0) -> None:
+        """Start an empty table of `num_tokens` filled slots in new blocks, but for the first
+        `num_dropped`, the null block: a swapped-out sequence coming back, whose sliding window
+        had dropped those (published then; counted published again, so never re-offered).
+        The caller copies the KV in. All or nothing, as `append_slots`."""
+        if self.num_tokens:
+            raise ValueError("restore needs an empty block table")
+        num_blocks = self.pool.layout.num_blocks_for_tokens(num_tokens)
+        new_ids = self.pool.allocate(num_blocks - num_dropped)
+        self.block_ids = [NULL_BLOCK_ID] * num_dropped + new_ids
+        self.num_tokens = num_tokens
+        self.num_published_blocks = self.num_dropped_blocks = num_dropped
+        size = self.block_size
+        for index in range(num_dropped, num_blocks):
+            self.pool.set_num_filled_slots(self.block_ids[index],
+                                           min(size, num_tokens - index * size))
+
     # ---------------------------------------------------------- share / free
     def fork(self) -> BlockTable:
         """A new table sharing every block (ref_count + 1 each, nothing copied)."""

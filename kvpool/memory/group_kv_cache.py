@@ -19,12 +19,22 @@ engine keeps one group for it (`kvpool.engine.setup`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvpool.memory.block_table import BlockCopy
 from kvpool.memory.hybrid_pool import HybridBlockPool
 from kvpool.memory.kv_layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKV:
+    """One group's KV as a cache the tiers copy blocks of (`KVCache`'s `tensor` and `scales`):
+    row b is the group's block b."""
+
+    tensor: torch.Tensor
+    scales: None = None
 
 
 class GroupedKVCache:
@@ -49,6 +59,7 @@ class GroupedKVCache:
         self.layer_views = tuple(layer_views)
         self.scale_views = (None,) * num_layers
         self.tensor = self.tensors[0]  # the first group's: what one-group code reads
+        self.group_caches = tuple(GroupKV(tensor) for tensor in self.tensors)
 
     def _view(self, buffer: torch.Tensor, group: int) -> torch.Tensor:
         layout, unit = self.group_layouts[group], self.pool.unit

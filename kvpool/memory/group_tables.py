@@ -120,6 +120,16 @@ class GroupBlockTables:
             table.take_prefix(group_match)
         return match.num_cached_tokens
 
+    def restore(self, num_tokens: int, num_dropped: Sequence[int]) -> None:
+        """`BlockTable.restore` in every group (`num_dropped[g]` null blocks first in group
+        g), all or nothing across them."""
+        num_blocks = self.pool.groups[0].layout.num_blocks_for_tokens(num_tokens)
+        demands = [num_blocks - dropped for dropped in num_dropped]
+        if not self.pool.make_allocatable(demands):
+            raise OutOfBlocksError(sum(demands), 0, 0)
+        for table, dropped in zip(self.tables, num_dropped, strict=True):
+            table.restore(num_tokens, dropped)
+
     # ---------------------------------------------------------- share / free
     def fork(self) -> GroupBlockTables:
         return GroupBlockTables(self.pool, [table.fork() for table in self.tables])

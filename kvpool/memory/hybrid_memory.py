@@ -9,8 +9,8 @@
       kv_cache    GroupedKVCache: each group's strided view of the arena, per-layer views
       pool        the first group's pool (the full-attention group's, if the model has one):
                   what block statistics, the snapshot, KV events and the recorder report
-      tiers       none below the device: swap, host, disk and shared tiers keep one group
-                  (`kvpool.engine.setup` turns the hybrid manager off for them)
+      tiers       GroupTiers: each group's host, disk and shared tiers, in its own layout
+                  (`kvpool.memory.tiers.group_tiers`), sized by the caller
 
 It answers the KV cache manager (`kvpool.engine.kv_manager`) with the same methods as
 `KVMemory`, in per-group terms: a prefix match is a `GroupMatch`, a demand is a list of blocks
@@ -38,7 +38,9 @@ from kvpool.memory.kv_listener import KVListeners
 from kvpool.memory.kv_pool import KVPoolStats
 from kvpool.memory.pool_rates import PoolRates
 from kvpool.memory.prefix_cache import BlockHash
-from kvpool.memory.tiers.kv_tiers import KVTiers
+from kvpool.memory.tiers.group_tiers import GroupTierMatch, GroupTiers
+from kvpool.memory.tiers.kv_tiers import SwappedKV
+from kvpool.memory.tiers.lower_tier import LowerTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,9 @@ class HybridKVMemory:
 
     def __init__(self, layout: KVLayout, groups: Sequence[KVGroup], num_bytes: int,
                  device: torch.device | str = "cpu", *, enable_prefix_caching: bool = True,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0,
+                 lower: Sequence[Sequence[LowerTier]] | None = None) -> None:
+        """`lower[g]`: group g's tiers below the device, nearest first (none by default)."""
         self.layout = layout
         self.groups = tuple(groups)
         null_bytes = max(group.layout.bytes_per_block for group in self.groups)
@@ -74,7 +78,8 @@ class HybridKVMemory:
         self.num_usable_bytes = self.arena.num_reserved_bytes - self.hybrid.unit * (
             -(-null_bytes // self.hybrid.unit))
         self.watermark_blocks = int(watermark * self.max_num_blocks)
-        self.tiers = KVTiers(self.pool, self.kv_cache, [])
+        self.tiers = GroupTiers(self.hybrid.pools, self.kv_cache.group_caches,
+                                lower or [()] * len(self.groups))
         self.rates = PoolRates(self.pool)
         self.listeners.add(self.rates)
 
@@ -127,11 +132,42 @@ class HybridKVMemory:
         pages (speculative drafts' rule): free blocks, and pages the arena still has."""
         return self.hybrid.make_free(demand.blocks)
 
+    # ------------------------------------------------- the tiers, for the manager
+    def reload(self, below: GroupTierMatch, table: GroupBlockTables,
+               first_block: int) -> dict[str, int]:
+        """`KVMemory.reload`, each group into its own new blocks."""
+        return self.tiers.reload(below, [ids[first_block:] for ids in table.group_block_ids])
+
+    def swap_out(self, table: GroupBlockTables) -> SwappedKV | None:
+        """Every group's live blocks copied to its host tier (queued), or None."""
+        return self.tiers.swap_out([t.live_block_ids for t in table.tables],
+                                   [t.num_dropped_blocks for t in table.tables])
+
+    def plan_swap_in(self, swapped: SwappedKV, block_hashes: Sequence[BlockHash],
+                     token_ids: Sequence[int], num_tokens: int) -> tuple[GroupMatch, GroupDemand]:
+        """No device prefix is retaken (each group's would have to line up with its swapped
+        blocks and dropped ones): every group needs its blocks for `num_tokens` tokens, but
+        for those its window had dropped."""
+        num_blocks = self.layout.num_blocks_for_tokens(num_tokens)
+        demand = GroupDemand([num_blocks - dropped for dropped in swapped.num_dropped])
+        return self.hybrid.match_prefix((), ()), demand
+
+    def swap_in(self, table: GroupBlockTables, swapped: SwappedKV, prefix: GroupMatch,
+                num_computed: int) -> None:
+        """Every group's table restored in new blocks, the host copies queued into them."""
+        table.restore(num_computed, swapped.num_dropped)
+        self.tiers.swap_in(swapped, [t.block_ids[dropped:] for t, dropped
+                                     in zip(table.tables, swapped.num_dropped, strict=True)])
+
+    def free_swapped(self, swapped: SwappedKV) -> None:
+        self.tiers.free_swapped(swapped)
+
     # --------------------------------------------------------------- resizing
     def maybe_resize(self, now: float, block_tables: Iterable[object]) -> None:
         """Pages move between groups on demand; nothing to do between steps."""
 
     def reset(self) -> None:
+        self.tiers.reset()
         for pool in self.hybrid.pools:
             pool.reset()
 
@@ -157,7 +193,12 @@ class HybridKVMemory:
         return KVPoolStats("hybrid", online, self.max_num_blocks, 1, page, 0, 0, 0, 0,
                            self.arena.stats())
 
-    def check_invariants(self, num_swapped_host_blocks: int = 0) -> None:
-        assert num_swapped_host_blocks == 0, "a hybrid pool swaps nothing"
+    def set_clock(self, now: float) -> None:
+        """Every group's pools, and their tiers', stamp blocks with this time."""
+        for pool in (*self.hybrid.pools, *self.tiers.pools()):
+            pool.now = now
+
+    def check_invariants(self, swapped: Iterable[SwappedKV] = ()) -> None:
+        self.tiers.check_invariants(swapped)
         self.hybrid.check_invariants()
         self.kv_cache.check_null_page()

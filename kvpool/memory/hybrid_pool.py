@@ -173,8 +173,9 @@ class HybridBlockPool:
         return True
 
     def _release(self, group: int, block_ids: list[int]) -> None:
-        """Take unused pages offline (evicting cached ones) and return their bytes."""
-        self.pools[group].remove_blocks(block_ids)
+        """Take unused pages offline (evicting cached ones, whose KV a tier below may still
+        copy before the step writes the page) and return their bytes."""
+        self.pools[group].remove_blocks(block_ids, is_kv_intact=True)
         for block_id in block_ids:
             self.arena.free(self._handles[group].pop(block_id))
 

@@ -42,8 +42,9 @@ from kvpool.memory.prefix_cache import BlockHash, PrefixMatch
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
 from kvpool.memory.tiers.disk_tier import DiskKVTier
 from kvpool.memory.tiers.host_tier import HostKVTier
-from kvpool.memory.tiers.kv_tiers import KVTiers
+from kvpool.memory.tiers.kv_tiers import KVTiers, SwappedKV
 from kvpool.memory.tiers.redis_tier import RedisKVTier
+from kvpool.memory.tiers.tier_match import TierMatch
 
 
 class KVMemory:
@@ -133,6 +134,41 @@ class KVMemory:
         """Whether `num_blocks` fresh blocks are free now (no eviction, no growth)."""
         return num_blocks <= self.pool.num_free_blocks
 
+    # ------------------------------------------------- the tiers, for the manager
+    def reload(self, below: TierMatch, table: BlockTable, first_block: int) -> dict[str, int]:
+        """Queue `below`'s copies into the table's blocks from `first_block` on (new blocks
+        of a prefix found below the device); returns the blocks per source tier."""
+        return self.tiers.reload(below, table.block_ids[first_block:])
+
+    def swap_out(self, table: BlockTable) -> SwappedKV | None:
+        """The table's blocks copied to host blocks (queued), or None: the host tier has no
+        room (or there is none)."""
+        host_ids = self.tiers.swap_out(table.block_ids)
+        return None if host_ids is None else SwappedKV((host_ids,), (0,))
+
+    def plan_swap_in(self, swapped: SwappedKV, block_hashes: Sequence[BlockHash],
+                     token_ids: Sequence[int], num_tokens: int) -> tuple[PrefixMatch, int]:
+        """The swapped sequence's leading blocks still cached on the device, `token_ids` its
+        computed ones (retaken: no copy, no duplicate), and the blocks its first `num_tokens`
+        tokens need beyond them."""
+        prefix = self.match_prefix(block_hashes, token_ids)
+        return prefix, self.blocks_to_admit(prefix, num_tokens)
+
+    def swap_in(self, table: BlockTable, swapped: SwappedKV, prefix: PrefixMatch,
+                num_computed: int) -> None:
+        """`prefix` retaken, new blocks for the rest of the `num_computed` tokens with the host
+        copies queued into them; the retaken blocks' host copies are freed."""
+        [host_ids] = swapped.host_ids
+        table.take_prefix(prefix)
+        num_reused = len(prefix.block_ids)
+        self.tiers.free_swapped(host_ids[:num_reused])
+        table.append_slots(num_computed - prefix.num_cached_tokens)
+        self.tiers.swap_in(host_ids[num_reused:], table.block_ids[num_reused:])
+
+    def free_swapped(self, swapped: SwappedKV) -> None:
+        """A swapped sequence ended without resuming: its host blocks go back."""
+        self.tiers.free_swapped(swapped.host_ids[0])
+
     # --------------------------------------------------------------- resizing
     def grow_until_allocatable(self, num_blocks: int, keep_watermark: bool = False) -> bool:
         """Grow (an elastic pool, a segment at a time) until `num_blocks` blocks (plus
@@ -164,10 +200,17 @@ class KVMemory:
         """Online blocks, segments, grows, shrinks, migrations, arena bytes."""
         return self.sizing.stats()
 
-    def check_invariants(self, num_swapped_host_blocks: int = 0) -> None:
+    def set_clock(self, now: float) -> None:
+        """The pools stamp blocks with this time as they change hands (their last-use age)."""
+        self.pool.now = now
+        for tier in self.tiers.tiers:
+            if tier.pool is not None:
+                tier.pool.now = now
+
+    def check_invariants(self, swapped: Iterable[SwappedKV] = ()) -> None:
         """Assert every invariant of the pool, its sizing, its tensors and the tiers below
-        (for tests); `num_swapped_host_blocks`: the host blocks swapped sequences own."""
-        self.tiers.check_invariants(num_swapped_host_blocks)
+        (for tests); `swapped`: what the swapped-out sequences hold on the host."""
+        self.tiers.check_invariants(sum(kv.num_blocks for kv in swapped))
         self.layout.check_tensor(self.kv_cache.tensor)
         self.layout.check_scales(self.kv_cache.scales, self.kv_cache.num_blocks)
         assert not self.kv_cache.tensor[NULL_BLOCK_ID].any(), "the null block was written"

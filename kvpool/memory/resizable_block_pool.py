@@ -43,10 +43,13 @@ class ResizableBlockPool(BlockPool):
         self._fresh_free_ids[:0] = block_ids[::-1]
         self.num_blocks += len(block_ids)
 
-    def remove_blocks(self, block_ids: Iterable[int]) -> int:
+    def remove_blocks(self, block_ids: Iterable[int], is_kv_intact: bool = False) -> int:
         """Take unused online ids offline, evicting the cached ones; returns how many were.
 
-        All or nothing: an id that is used or offline changes nothing and raises.
+        `is_kv_intact`: the ids' KV stays readable until the next step (a hybrid pool hands
+        the page to another group, which writes it then), so listeners hear `block_evicted`
+        and a tier below may still copy it; otherwise `block_removed` (a shrink's memory is
+        gone). All or nothing: an id that is used or offline changes nothing and raises.
         """
         removed = set(block_ids)
         for block_id in removed:
@@ -60,7 +63,10 @@ class ResizableBlockPool(BlockPool):
                 del self._evictable_ids[block_id]
                 entry = self.prefix_cache.remove(block_id)
                 assert entry is not None, "an evictable block is hashed"
-                self.listeners.block_removed(self.medium, block_id, entry.block_hash)
+                if is_kv_intact:
+                    self.listeners.block_evicted(self.medium, block_id, entry, True)
+                else:
+                    self.listeners.block_removed(self.medium, block_id, entry.block_hash)
                 self._num_filled_slots[block_id] = 0
                 num_evicted += 1
         self._fresh_free_ids = [b for b in self._fresh_free_ids if b not in removed]

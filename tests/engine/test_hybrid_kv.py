@@ -64,7 +64,9 @@ def crowd() -> list[list[int]]:
     ({}, prompts, 12),
     ({"max_num_batched_tokens": 16}, prompts, 12),  # chunked prefill, chunks past the window
     ({"num_gpu_blocks": 30, "max_num_seqs": 8}, crowd, 60),  # preempted, recomputed
-], ids=["batched", "chunked", "preempted"])
+    ({"num_gpu_blocks": 30, "max_num_seqs": 8, "swap_space": 0.01,
+      "preemption_mode": "swap"}, crowd, 60),  # preempted, swapped to the host and back
+], ids=["batched", "chunked", "preempted", "swapped"])
 def test_hybrid_on_and_off_give_transformers_tokens(checkpoint, options, workload, max_tokens):
     loaded, hf_model = checkpoint
     expected = [greedy_hf(hf_model, prompt, max_tokens) for prompt in workload()]
@@ -75,6 +77,10 @@ def test_hybrid_on_and_off_give_transformers_tokens(checkpoint, options, workloa
         assert token_ids(run_all(engine, workload(), params)) == expected, f"hybrid={hybrid}"
         if "num_gpu_blocks" in options:
             assert engine.stats().num_preemptions > 0
+        if "preemption_mode" in options:
+            stats = engine.stats()
+            assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions == 0
+            assert 0 < stats.num_swapped_in_blocks <= stats.num_swapped_out_blocks
         finish(engine)
 
 
@@ -148,7 +154,6 @@ def test_max_concurrency_counts_only_the_window(checkpoint):
 
 
 @pytest.mark.parametrize(("options", "reason"), [
-    ({"swap_space": 0.01}, "--swap-space"),
     ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype int8"),
     ({"kv_pool": "elastic"}, "--kv-pool elastic"),
 ])
@@ -173,3 +178,47 @@ def test_drafts_and_the_warm_up_run_on_the_hybrid_pool(checkpoint):
     assert token_ids(run_all(engine, prompts(), GREEDY)) == expected
     assert engine.stats().spec_decode.num_draft_tokens > 0
     finish(engine)
+
+
+def _evict(engine: LLMEngine) -> None:
+    """Unrelated prompts through a small pool: every cached block leaves the device."""
+    generator = torch.Generator().manual_seed(17)
+    run_all(engine, [torch.randint(0, 256, (60,), generator=generator).tolist()
+                     for _ in range(6)], GREEDY)
+
+
+def test_an_evicted_prefix_comes_back_from_every_groups_host_tier(checkpoint):
+    """Each group spills its evicted blocks to its own host tier; a repeat reloads them in
+    every group and answers as before."""
+    loaded, _ = checkpoint
+    engine = engine_over(loaded, num_gpu_blocks=40, swap_space=0.01)
+    assert isinstance(engine.kv_memory, HybridKVMemory)
+    prompt = prompts()[2]  # 90 tokens: 22 full blocks a lookup may serve
+    first = run_all(engine, [prompt], GREEDY)[0]
+    _evict(engine)
+    again = run_all(engine, [prompt], GREEDY)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    by_tier = engine.stats().cached_tokens_by_tier
+    assert by_tier["host"] > 0 and again.num_cached_tokens == sum(by_tier.values())
+    for tiers in engine.kv_memory.tiers.groups:
+        assert tiers.stats().num_reloaded_blocks["host"] == by_tier["host"] // 4
+    finish(engine)
+
+
+def test_a_restarted_hybrid_engine_finds_every_groups_blocks_on_disk(checkpoint, tmp_path):
+    """Each group writes its blocks through to its own disk namespace (its layers named);
+    a new engine over the same directory serves the prompt from there."""
+    loaded, _ = checkpoint
+    options = {"kv_disk_cache": str(tmp_path)}
+    prompt = prompts()[2]
+    engine = engine_over(loaded, **options)
+    first = run_all(engine, [prompt], GREEDY)[0]
+    finish(engine)
+    namespaces = list(tmp_path.iterdir())
+    assert len(namespaces) == len(engine.kv_memory.groups)
+    restarted = engine_over(loaded, **options)
+    again = run_all(restarted, [prompt], GREEDY)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 88
+    assert restarted.stats().cached_tokens_by_tier["disk"] == 88
+    finish(restarted)

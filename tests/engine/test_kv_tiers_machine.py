@@ -174,7 +174,7 @@ class KVTiersMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------- invariants
     @invariant()
     def pools_hold_their_invariants(self):
-        self.memory.check_invariants(self.kv.num_swapped_host_blocks)
+        self.memory.check_invariants(self.kv.swapped)
         holders = Counter(b for seq in self.running for b in seq.block_table.block_ids)
         for block_id in self.memory.pool.online_block_ids():
             assert self.memory.pool.ref_count(block_id) == holders[block_id]

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvpool.memory.block_pool import BlockPool
+from kvpool.memory.group_kv_cache import GroupKV
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_listener import KVListener
 from kvpool.memory.prefix_cache import BlockHash, CachedBlock
@@ -58,6 +59,7 @@ from kvpool.memory.tiers.host_tier import HostKVTier, HostTierStats
 from kvpool.memory.tiers.kv_transfer import KVTransfers
 from kvpool.memory.tiers.lower_tier import DISK, HOST, SHARED, LowerTier
 from kvpool.memory.tiers.redis_tier import SharedTierStats
+from kvpool.memory.tiers.side_stream import SideStream
 from kvpool.memory.tiers.tier_match import LoadedBlock, TierLookup, TierMatch
 
 TIERS = ("device", HOST, DISK, SHARED)  # everywhere: counters, metrics' source label
@@ -77,12 +79,29 @@ class KVTierStats:
     bytes_per_block: int
 
 
+@dataclass(frozen=True, slots=True)
+class SwappedKV:
+    """A swapped-out sequence's KV on the host, per KV cache group: the host blocks holding
+    its table's live blocks in order, after the `num_dropped` leading ones its sliding window
+    had already dropped (no query reads them again: nothing to copy; 0 for full attention)."""
+
+    host_ids: tuple[list[int], ...]
+    num_dropped: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Host blocks held, over every group (a hybrid pool's hold their group's layers)."""
+        return sum(len(host_ids) for host_ids in self.host_ids)
+
+
 class KVTiers(KVListener):
     """Spill, write-through, reload and swap between a device pool and the tiers below it,
     `tiers`: an ordered list, nearest first, of at most one tier per name (`LowerTier`)."""
 
-    def __init__(self, device_pool: BlockPool, device_cache: KVCache,
-                 tiers: Sequence[LowerTier] = ()) -> None:
+    def __init__(self, device_pool: BlockPool, device_cache: KVCache | GroupKV,
+                 tiers: Sequence[LowerTier] = (), side_stream: SideStream | None = None) -> None:
+        """`side_stream`: the copies' stream (default: a new one on CUDA; `GroupTiers`
+        shares one between its groups, so copies keep their order across them)."""
         names = [tier.name for tier in tiers]
         assert len(set(names)) == len(names), f"one tier per name, got {names}"
         self.device_pool = device_pool
@@ -95,6 +114,7 @@ class KVTiers(KVListener):
         # device KV alive after the engine is dropped, until a full collection.
         self.transfers = KVTransfers(device_cache, host.kv_cache if host else None,
                                      host.pool.free if host else _nothing_to_release,
+                                     side_stream,
                                      on_unfilled=partial(_unpublish, device_pool,
                                                          host.pool if host else None))
         self._to_write: list[tuple[int, BlockHash, tuple[int, ...]]] = []

@@ -132,6 +132,22 @@ class KVTransfers:
             return
         self._run_on_side_stream(batch, written_block_ids)
 
+    def run_copy_outs(self, written_block_ids: Callable[[], Collection[int]] = frozenset
+                      ) -> None:
+        """Carry out the queued device → host copies now, ahead of the rest: a hybrid pool's
+        groups share the device bytes (a page one group spills may be another's reload target
+        this step), so every group's copy-outs read before any group's copy-in writes. With a
+        side stream shared by the groups, stream order keeps them so."""
+        batch = self._batch
+        if not batch.out:
+            return
+        outs = _Batch(out=batch.out)
+        batch.out = []
+        if self.side_stream is None:
+            self._copy_or_abandon(outs, non_blocking=False)
+        else:
+            self._run_on_side_stream(outs, written_block_ids)
+
     def _copy_or_abandon(self, batch: _Batch, non_blocking: bool) -> None:
         """`_copy`; if it raises: what was queued finishes, the batch's destinations are
         reported unfilled and its held host blocks released, and the error goes on."""
