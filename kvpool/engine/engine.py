@@ -337,7 +337,7 @@ class LLMEngine:
         the async engine takes it on its own thread); `kvpool.engine.observability.snapshot`."""
         self.kv_memory.set_clock(time.monotonic())
         return take_kv_snapshot(self.kv_memory, self.requests.values(),
-                                self.scheduler.kv.swapped_host_blocks,
+                                self.scheduler.kv.swapped_kv,
                                 self.step_stats.num_steps, self.kv_memory.rates.rates())
 
     def kv_tier_stats(self) -> KVTierStats:

@@ -319,11 +319,9 @@ class KVCacheManager:
     def is_swapped(self, seq: Sequence) -> bool:
         return seq.seq_id in self._swapped
 
-    def swapped_host_blocks(self, seq: Sequence) -> list[int]:
-        """The host blocks a swapped-out sequence owns in the first group (empty for any
-        other sequence)."""
-        swapped = self._swapped.get(seq.seq_id)
-        return [] if swapped is None else swapped.host_ids[0]
+    def swapped_kv(self, seq: Sequence) -> SwappedKV | None:
+        """The host blocks a swapped-out sequence owns (None for any other sequence)."""
+        return self._swapped.get(seq.seq_id)
 
     @property
     def swapped(self) -> list[SwappedKV]:

@@ -23,13 +23,17 @@ of consecutive ids with equal (state, ref_count, filled slots, holders), not one
 
     {"format": "kvpool.kv_snapshot", "version": 1,
      "time": unix seconds, "step": engine steps since start-up,
-     "pools": {"device": POOL, "host": POOL (only with a host tier)},
+     "pools": {"device": POOL, "host": POOL (only with a host tier),
+               "device/g1": POOL, "host/g1": POOL, ...},  a hybrid model's other KV cache
+                                                       groups (`kv_events.group_medium`)
      "disk": {"num_blocks": n, "num_bytes": b} or null,
      "shared": {"is_up": 0 or 1, "num_stored_blocks": n, "num_loaded_blocks": n} or null,
      "sequences": [{"request_id": "req-3", "index": 0, "status": "running",
                     "num_tokens": 40, "num_computed_tokens": 40,
                     "block_ids": [[7, 3]],            runs [first id, count], table order
                     "host_block_ids": [],             a swapped sequence's host blocks
+                    "group_block_ids": [[[9, 2]]],    groups past the first, if any: runs
+                    "group_host_block_ids": [[]],       per group, device and host
                     "tenant": "acme"}, ...],          only when the server knows it
      "stats": BlockPoolStats of the device pool, as a dict,
      "derived": DerivedFigures as a dict,
@@ -61,7 +65,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvpool.formats.snapshot_runs import expand_hash_runs, expand_id_runs, hash_runs, id_runs
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool import DEVICE, BlockPoolStats
 
 SNAPSHOT_FORMAT = "kvpool.kv_snapshot"
 SNAPSHOT_VERSION = 1
@@ -164,10 +168,21 @@ class SequenceView:
     status: str  # "running", "waiting" (never admitted, or preempted by recompute), "swapped"
     num_tokens: int
     num_computed_tokens: int
-    block_ids: tuple[int, ...]  # its device block table, logical order
+    block_ids: tuple[int, ...]  # its device block table, logical order (the first group's)
     host_block_ids: tuple[int, ...] = ()  # a swapped sequence's host blocks
     tenant: str | None = None  # set by the server (`with_tenants`); never by the engine
     cache_salt: str | None = field(default=None, compare=False)  # in memory only, never saved
+    # A hybrid model's KV cache groups past the first: their tables' live blocks, and a
+    # swapped sequence's host blocks, one tuple per group (pools "device/g1", "host/g1", ...).
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+    group_host_block_ids: tuple[tuple[int, ...], ...] = ()
+
+    def blocks_in(self, medium: str, group: int = 0) -> tuple[int, ...]:
+        """The blocks it holds in the pool of `medium` ("device" or "host") and `group`."""
+        if group == 0:
+            return self.block_ids if medium == DEVICE else self.host_block_ids
+        groups = self.group_block_ids if medium == DEVICE else self.group_host_block_ids
+        return groups[group - 1] if group <= len(groups) else ()
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -175,6 +190,10 @@ class SequenceView:
             "num_tokens": self.num_tokens, "num_computed_tokens": self.num_computed_tokens,
             "block_ids": id_runs(self.block_ids), "host_block_ids": id_runs(self.host_block_ids),
         }
+        if self.group_block_ids:
+            doc["group_block_ids"] = [id_runs(ids) for ids in self.group_block_ids]
+        if self.group_host_block_ids:
+            doc["group_host_block_ids"] = [id_runs(ids) for ids in self.group_host_block_ids]
         if self.tenant is not None:
             doc["tenant"] = self.tenant
         return doc
@@ -184,7 +203,11 @@ class SequenceView:
         return cls(str(doc["request_id"]), int(doc["index"]), str(doc["status"]),
                    int(doc["num_tokens"]), int(doc["num_computed_tokens"]),
                    expand_id_runs(doc["block_ids"]), expand_id_runs(doc.get("host_block_ids", [])),
-                   doc.get("tenant"))
+                   doc.get("tenant"),
+                   group_block_ids=tuple(expand_id_runs(runs)
+                                         for runs in doc.get("group_block_ids", [])),
+                   group_host_block_ids=tuple(expand_id_runs(runs)
+                                              for runs in doc.get("group_host_block_ids", [])))
 
 
 @dataclass(frozen=True, slots=True)

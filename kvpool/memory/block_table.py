@@ -89,6 +89,10 @@ class BlockTable:
         return self.block_ids[self.num_dropped_blocks:]
 
     @property
+    def group_live_block_ids(self) -> tuple[list[int]]:
+        return (self.live_block_ids,)
+
+    @property
     def block_size(self) -> int:
         return self.pool.layout.block_size
 

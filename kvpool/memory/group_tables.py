@@ -73,6 +73,10 @@ class GroupBlockTables:
     def group_block_ids(self) -> tuple[list[int], ...]:
         return tuple(table.block_ids for table in self.tables)
 
+    @property
+    def group_live_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(table.live_block_ids for table in self.tables)
+
     def num_blocks_to_append(self, num_new_tokens: int) -> int:
         """Blocks over every group that `append_slots` takes for `num_new_tokens` tokens."""
         return sum(self.group_demands(num_new_tokens))

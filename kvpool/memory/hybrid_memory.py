@@ -27,7 +27,7 @@ import torch
 
 from kvpool.memory.arena import Arena
 from kvpool.memory.arena_free_list import align_up
-from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.block_pool import BlockPool, BlockPoolStats
 from kvpool.memory.group_kv_cache import GroupedKVCache
 from kvpool.memory.group_tables import GroupBlockTables
 from kvpool.memory.hybrid_pool import HybridBlockPool
@@ -192,6 +192,13 @@ class HybridKVMemory:
                      zip(self.hybrid.pools, self.hybrid.page_bytes, strict=True)) // page
         return KVPoolStats("hybrid", online, self.max_num_blocks, 1, page, 0, 0, 0, 0,
                            self.arena.stats())
+
+    def cache_pools(self) -> list[tuple[BlockPool, int]]:
+        """Every pool with a prefix cache and its KV cache group: each group's device pool,
+        then each group's host pool."""
+        hosts = [(tiers.host.pool, group) for group, tiers in enumerate(self.tiers.groups)
+                 if tiers.host is not None]
+        return [(pool, group) for group, pool in enumerate(self.hybrid.pools)] + hosts
 
     def set_clock(self, now: float) -> None:
         """Every group's pools, and their tiers', stamp blocks with this time."""

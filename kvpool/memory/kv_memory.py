@@ -200,6 +200,11 @@ class KVMemory:
         """Online blocks, segments, grows, shrinks, migrations, arena bytes."""
         return self.sizing.stats()
 
+    def cache_pools(self) -> list[tuple[BlockPool, int]]:
+        """Every pool with a prefix cache, and its KV cache group (0), device first."""
+        host = self.tiers.host
+        return [(self.pool, 0)] + ([] if host is None else [(host.pool, 0)])
+
     def set_clock(self, now: float) -> None:
         """The pools stamp blocks with this time as they change hands (their last-use age)."""
         self.pool.now = now

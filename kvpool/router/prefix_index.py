@@ -23,7 +23,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvpool.formats.kv_events import DEVICE, AllBlocksCleared, BlockStored, KVEventBatch
+from kvpool.formats.kv_events import (
+    DEVICE,
+    AllBlocksCleared,
+    BlockStored,
+    KVEventBatch,
+    split_medium,
+)
 
 
 class PrefixIndex:
@@ -50,12 +56,16 @@ class PrefixIndex:
             return len(block_hashes)
 
     def apply(self, batch: KVEventBatch) -> None:
-        """Apply a batch's events in order (a medium of None counts as the device)."""
+        """Apply a batch's events in order (a medium of None counts as the device); a hybrid
+        model's KV cache groups past the first are left out (`split_medium`): the first
+        group's blocks, which a hit needs all of, decide."""
         with self._lock:
             held = self._mediums_by_hash
             for event in batch.events:
                 if type(event) is AllBlocksCleared:
                     held.clear()
+                    continue
+                if event.medium and split_medium(event.medium)[1]:
                     continue
                 bit = self._bit(event.medium or DEVICE)
                 if type(event) is BlockStored:
@@ -74,6 +84,8 @@ class PrefixIndex:
         with self._lock:
             held: dict[bytes, int] = {}
             for block_hash, medium in blocks:
+                if medium and split_medium(medium)[1]:
+                    continue
                 held[block_hash] = held.get(block_hash, 0) | self._bit(medium or DEVICE)
             self._mediums_by_hash = held
 

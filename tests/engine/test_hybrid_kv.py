@@ -6,6 +6,7 @@ windows of 8 tokens, shorter than the prompts."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -15,6 +16,8 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
+from kvpool.formats.kv_events import group_medium
+from kvpool.formats.kv_snapshot import KVSnapshot
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.hybrid_memory import HybridKVMemory
 from kvpool.memory.kv_groups import max_concurrency
@@ -22,6 +25,7 @@ from kvpool.memory.kv_memory import KVMemory
 from kvpool.model.hf_config import config_from_hf
 from kvpool.model.loaders import load_model
 from tests.engine.conftest import run_all, token_ids
+from tests.memory.pool_checks import assert_view_matches_pool
 from tests.model.test_architectures import greedy_hf, save_tiny
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -222,3 +226,29 @@ def test_a_restarted_hybrid_engine_finds_every_groups_blocks_on_disk(checkpoint,
     assert again.num_cached_tokens == 88
     assert restarted.stats().cached_tokens_by_tier["disk"] == 88
     finish(restarted)
+
+
+def test_the_snapshot_draws_every_groups_pools_exactly(checkpoint):
+    """Each group's device and host pools ("device/g1", "host/g1"), each sequence's table per
+    group: every view matches its pool at every step, through swaps."""
+    loaded, _ = checkpoint
+    engine = engine_over(loaded, num_gpu_blocks=30, max_num_seqs=8, swap_space=0.01,
+                         preemption_mode="swap")
+    for prompt in crowd():
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=60, ignore_eos=True))
+    memory, statuses = engine.kv_memory, set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        snapshot = engine.kv_snapshot()
+        statuses.update(seq.status for seq in snapshot.sequences)
+        names = {group_medium(pool.medium, group) for pool, group in memory.cache_pools()}
+        assert set(snapshot.pools) == names
+        for pool, group in memory.cache_pools():
+            tables = [seq.blocks_in(pool.medium, group) for seq in snapshot.sequences]
+            assert_view_matches_pool(snapshot.pools[group_medium(pool.medium, group)], pool,
+                                     tables)
+        again = KVSnapshot.from_json(json.loads(json.dumps(snapshot.to_json())))
+        assert again.sequences == snapshot.sequences
+    assert "swapped" in statuses
+    finish(engine)

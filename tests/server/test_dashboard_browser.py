@@ -142,3 +142,41 @@ def test_the_page_asks_for_a_key_when_the_server_needs_one(browser, make_server)
     assert not form.is_displayed()
     assert browser.execute_script("return sessionStorage.getItem('kvpool-api-key')") == \
         "key-alice"
+
+
+def test_a_hybrid_models_other_groups_get_maps_of_their_own(browser, smollm2) -> None:
+    """A model with sliding-window layers: its window group's pool ("device/g1") is drawn
+    under the device map, fills while a long completion streams, and lights up the selected
+    request's blocks in that group."""
+    import dataclasses
+
+    import transformers
+
+    from kvpool.model.hf_config import config_from_hf
+    from kvpool.model.loaders import load_model
+    from kvpool.model.loaders.base import LoadedModel
+    from tests.server.conftest import serve
+
+    hf = transformers.MinistralConfig(
+        vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_hidden_layers=2,
+        sliding_window=32, max_position_embeddings=1024,
+        layer_types=["sliding_attention", "full_attention"])
+    config = dataclasses.replace(config_from_hf(hf.to_dict()),
+                                 eos_token_ids=smollm2.config.eos_token_ids)
+    dummy = load_model(config, load_format="dummy", seed=1)
+    loaded = LoadedModel(config, dummy.model, smollm2.tokenizer, dummy.load_seconds)
+    with serve(loaded, block_size=16, kv_cache_memory=1 << 20) as server:
+        slow_steps(server, 0.02)
+        browser.get(f"{server.base_url}/dashboard?interval=200")
+        with streaming(server, n=1):
+            canvas = wait_for(browser, lambda: browser.find_elements(By.ID, "grid-device-g1"))
+            grid = canvas[0]
+            assert browser.find_element(By.ID, "group-section").is_displayed()
+            wait_for(browser, lambda: json.loads(
+                grid.get_attribute("data-state-counts") or "{}").get("used", 0) > 0)
+            row = wait_for(browser, lambda: request_rows(browser))[0]
+            row.click()
+            wait_for(browser, lambda: int(grid.get_attribute("data-highlighted-count")) > 0)
+            title = browser.find_element(By.ID, "grid-device-g1-title").text
+            assert title.startswith("device/g1 · ")

@@ -1,8 +1,11 @@
 """The engine's side of the KV events (wire format: `kvpool.formats.kv_events`).
 
-`KVEventLog`, the engine's side, is a `KVListener` (`kvpool.memory.kv_listener`) registered on
-each attached pool's fan-out: it hears every block published into its prefix cache, every hashed
-block evicted (for reuse, or by an elastic shrink) and every reset, each with the pool's medium.
+`KVEventLog`, the engine's side, hears each attached pool through a `KVListener`
+(`kvpool.memory.kv_listener`) on the pool's fan-out: every block published into its prefix
+cache, every hashed block evicted (for reuse, by an elastic shrink, or taken by another group of
+a hybrid pool) and every reset, each under the medium events name the pool by (its medium and
+KV cache group: `kvpool.formats.kv_events.group_medium`). The first pool attached (the device's
+first group) brings the step's end too, when the batch is drained.
 Invariants:
 - `seq` is the number of non-empty batches drained: 1 for the first, per engine.
 - Applying every drained batch, in order, to empty per-medium sets gives exactly the hashes
@@ -27,6 +30,7 @@ from kvpool.formats.kv_events import (
     BlockStored,
     EventSnapshot,
     KVEventBatch,
+    group_medium,
 )
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.kv_listener import KVListener
@@ -54,7 +58,7 @@ class EventPublisher(Protocol):
     def close(self) -> None: ...
 
 
-class KVEventLog(KVListener):
+class KVEventLog:
     """One engine's KV events: the batch the current step builds, numbered at `drain`."""
 
     def __init__(self, config: KVEventsConfig, block_size: int,
@@ -65,18 +69,23 @@ class KVEventLog(KVListener):
         self._includes_token_ids = config.include_token_ids
         self.publisher = publisher
         self.seq = 0
-        self._pools: dict[str, BlockPool] = {}
+        self._pools: dict[str, BlockPool] = {}  # by the medium events name
+        self._ears: dict[str, _PoolEars] = {}
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._parent_by_hash: dict[BlockHash, BlockHash | None] = {}
         self._removed: list[BlockHash] = []  # since the last drain: candidates to prune
 
-    def attach(self, pool: BlockPool) -> None:
-        """Hear `pool` from now on, as tier `pool.medium` (one pool per medium)."""
-        assert pool.medium not in self._pools, f"a {pool.medium} pool is already attached"
-        self._pools[pool.medium] = pool
-        pool.listeners.add(self)
+    def attach(self, pool: BlockPool, group: int = 0) -> None:
+        """Hear `pool` from now on, as tier `pool.medium` of KV cache group `group` (one pool
+        per medium and group)."""
+        medium = group_medium(pool.medium, group)
+        assert medium not in self._pools, f"a {medium} pool is already attached"
+        self._pools[medium] = pool
+        self._ears[medium] = _PoolEars(self, medium, hears_steps=len(self._pools) == 1)
+        pool.listeners.add(self._ears[medium])
 
     # ------------------------------------------------------------ the pools' side
+    # (each with the medium events name the pool by, from its `_PoolEars`)
     def block_stored(self, medium: str, block_id: int, block_hash: BlockHash,
                      parent_hash: BlockHash | None, token_ids: Sequence[int]) -> None:
         if parent_hash is None:  # a first block, or a spill: the parent it was published with
@@ -124,9 +133,6 @@ class KVEventLog(KVListener):
         self._removed.clear()
 
     # ------------------------------------------------------------ the engine's side
-    def step_ended(self, next_step: int) -> None:
-        self.drain()
-
     def drain(self) -> None:
         """Number the step's batch and hand it to the publisher (nothing when empty)."""
         if not self._events:
@@ -148,9 +154,9 @@ class KVEventLog(KVListener):
         (idempotent)."""
         self.drain()
         self.publisher.close()
-        for pool in self._pools.values():
-            if self in pool.listeners:
-                pool.listeners.remove(self)
+        for medium, pool in self._pools.items():
+            if self._ears[medium] in pool.listeners:
+                pool.listeners.remove(self._ears[medium])
 
     def _prune_parents(self) -> None:
         removed, self._removed = self._removed, []
@@ -158,3 +164,31 @@ class KVEventLog(KVListener):
         for block_hash in removed:
             if not any(pool.prefix_cache.holds(block_hash) for pool in pools):
                 self._parent_by_hash.pop(block_hash, None)
+
+
+class _PoolEars(KVListener):
+    """One attached pool's listener: what the pool says, passed on to the log under the
+    medium events name it by; the first pool's also passes on the step's end."""
+
+    def __init__(self, log: KVEventLog, medium: str, hears_steps: bool) -> None:
+        self.log = log
+        self.medium = medium
+        self.hears_steps = hears_steps
+
+    def block_stored(self, medium: str, block_id: int, block_hash: BlockHash,
+                     parent_hash: BlockHash | None, token_ids: Sequence[int]) -> None:
+        self.log.block_stored(self.medium, block_id, block_hash, parent_hash, token_ids)
+
+    def block_evicted(self, medium: str, block_id: int, entry: CachedBlock,
+                      is_kv_intact: bool) -> None:
+        self.log.block_evicted(self.medium, block_id, entry, is_kv_intact)
+
+    def block_removed(self, medium: str, block_id: int, block_hash: BlockHash) -> None:
+        self.log.block_removed(self.medium, block_id, block_hash)
+
+    def pool_cleared(self, medium: str) -> None:
+        self.log.pool_cleared(self.medium)
+
+    def step_ended(self, next_step: int) -> None:
+        if self.hears_steps:
+            self.log.drain()

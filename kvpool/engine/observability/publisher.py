@@ -179,9 +179,8 @@ def start_kv_events(config: KVEventsConfig | None, kv_memory: KVMemory,
     if config is None or not config.is_enabled:
         return None
     log = KVEventLog(config, kv_memory.layout.block_size, make_publisher(config))
-    log.attach(kv_memory.pool)
-    if kv_memory.tiers.host is not None:
-        log.attach(kv_memory.tiers.host.pool)
+    for pool, group in kv_memory.cache_pools():
+        log.attach(pool, group)
     weakref.finalize(owner, log.publisher.close)
     logger.info("KV events: publishing to %s, topic %r", log.publisher.endpoint or "nowhere",
                 config.topic)

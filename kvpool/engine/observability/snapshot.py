@@ -2,6 +2,8 @@
 
 It reads the narrow parts it needs, never the engine: the KV memory, the unfinished requests,
 where swapped sequences' blocks are (the KV manager's), the step count and the pool's rates.
+A hybrid model's KV cache groups each have their pools ("device/g1", ...) and each sequence
+its table per group.
 
 Each pool is read by `kvpool.memory.pool_view.take_pool_view`. The holders of each block come
 from the sequences' block tables: every table of every unfinished request (waiting ones hold
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvpool.engine.sequence import Request, Sequence, SequenceStatus
+from kvpool.formats.kv_events import group_medium
 from kvpool.formats.kv_snapshot import (
     USED,
     DerivedFigures,
@@ -24,27 +27,29 @@ from kvpool.formats.kv_snapshot import (
 )
 from kvpool.formats.snapshot_runs import short_hash
 from kvpool.memory.block_pool import BlockPoolStats
+from kvpool.memory.hybrid_memory import HybridKVMemory
 from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.pool_view import take_pool_view
+from kvpool.memory.tiers.kv_tiers import SwappedKV
 
-SwappedBlocks = Callable[[Sequence], list[int]]  # a sequence's host blocks while swapped out
+SwappedKVOf = Callable[[Sequence], SwappedKV | None]  # a sequence's host blocks while swapped
 
 
-def take_kv_snapshot(memory: KVMemory, requests: Iterable[Request],
-                     swapped_host_blocks: SwappedBlocks, num_steps: int,
+def take_kv_snapshot(memory: KVMemory | HybridKVMemory, requests: Iterable[Request],
+                     swapped_kv: SwappedKVOf, num_steps: int,
                      rates: tuple[float, float, float]) -> KVSnapshot:
     """The pools, the unfinished requests' sequences and the derived figures, after
-    `num_steps` steps; `rates`: the device pool's (alloc/s, free/s, window seconds)."""
+    `num_steps` steps; `rates`: the device pool's (alloc/s, free/s, window seconds). Every
+    pool with a prefix cache is drawn: the device's and the host tier's, per KV cache group
+    (named as KV events name them: "device", "host", "device/g1", ...)."""
     pool = memory.pool
-    sequences = _sequence_views(requests, swapped_host_blocks)
-    tables = [seq.block_ids for seq in sequences]
-    pools = {"device": take_pool_view(pool, tables)}
-    host_tables = [seq.host_block_ids for seq in sequences]
-    lower = memory.tiers.tiers  # nearest first: a tier with a block pool is drawn as one
-    pools.update({tier.name: take_pool_view(tier.pool, host_tables)
-                  for tier in lower if tier.pool is not None})
-    summaries = {tier.name: tier.summary() for tier in lower if tier.pool is None}
-    stats = pool.stats()
+    sequences = _sequence_views(requests, swapped_kv)
+    pools = {}
+    for group_pool, group in memory.cache_pools():
+        tables = [seq.blocks_in(group_pool.medium, group) for seq in sequences]
+        pools[group_medium(group_pool.medium, group)] = take_pool_view(group_pool, tables)
+    summaries = {tier.name: tier.summary() for tier in memory.tiers.tiers if tier.pool is None}
+    stats = memory.block_stats()  # a hybrid pool's: over every group, in first-group blocks
     return KVSnapshot(
         time=time.time(), step=num_steps, pools=pools,
         sequences=tuple(sequences), stats=stats,
@@ -55,7 +60,7 @@ def take_kv_snapshot(memory: KVMemory, requests: Iterable[Request],
 
 
 def _sequence_views(requests: Iterable[Request],
-                    swapped_host_blocks: SwappedBlocks) -> list[SequenceView]:
+                    swapped_kv: SwappedKVOf) -> list[SequenceView]:
     running = SequenceStatus.RUNNING
     views = []
     for request in requests:
@@ -63,11 +68,15 @@ def _sequence_views(requests: Iterable[Request],
         for seq in request.sequences:
             if seq.is_finished:
                 continue
-            swapped = swapped_host_blocks(seq)
-            status = "swapped" if swapped else "running" if seq.status is running else "waiting"
+            swapped = swapped_kv(seq)
+            host = [tuple(ids) for ids in swapped.host_ids] if swapped else [()]
+            device = [tuple(ids) for ids in seq.block_table.group_live_block_ids]
+            status = ("swapped" if swapped else "running" if seq.status is running
+                      else "waiting")
             views.append(SequenceView(
                 request_id, seq.index, status, seq.num_tokens, seq.num_computed_tokens,
-                tuple(seq.block_table.live_block_ids), tuple(swapped), cache_salt=salt))
+                device[0], host[0], cache_salt=salt, group_block_ids=tuple(device[1:]),
+                group_host_block_ids=tuple(host[1:])))
     return views
 
 

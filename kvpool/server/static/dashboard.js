@@ -114,19 +114,34 @@
     return ids;
   }
 
-  function highlightMask(index, key) {
+  // `runsOf(seq)`: the id runs a sequence holds in the pool drawn.
+  function highlightMask(index, runsOf) {
     if (selected === null) return null;
     const mask = new Uint8Array(index.n);
     for (const seq of latest.snapshot.sequences) {
       if (seq.request_id !== selected) continue;
-      for (const id of expand(seq[key])) if (id < index.n) mask[id] = 1;
+      for (const id of expand(runsOf(seq))) if (id < index.n) mask[id] = 1;
     }
     return mask;
   }
 
+  // A hybrid model's pools past the first group: "device/g1", "host/g1", ... (name, group,
+  // the sequence key listing its blocks per group, the pool indexed).
+  function groupPools(snapshot) {
+    const found = [];
+    for (const [name, pool] of Object.entries(snapshot.pools)) {
+      const match = /^(device|host)\/g(\d+)$/.exec(name);
+      if (match === null) continue;
+      const key = match[1] === "device" ? "group_block_ids" : "group_host_block_ids";
+      found.push({name, group: Number(match[2]), key, index: indexPool(pool)});
+    }
+    return found;
+  }
+
   function update(snapshot, stats) {
     latest = {snapshot, device: indexPool(snapshot.pools.device),
-              host: snapshot.pools.host ? indexPool(snapshot.pools.host) : null};
+              host: snapshot.pools.host ? indexPool(snapshot.pools.host) : null,
+              groups: groupPools(snapshot)};
     if (selected !== null && !snapshot.sequences.some((s) => s.request_id === selected)) {
       selected = null;  // it finished
     }
@@ -158,16 +173,38 @@
     $("device-summary").textContent = "· " + view.num_blocks + " blocks of " +
       view.block_size + " slots · " + view.kv_cache_dtype + " · " +
       (view.bytes_per_block / 1024).toFixed(1) + " KiB each";
-    drawGrid($("block-grid"), device, highlightMask(device, "block_ids"), 420);
+    drawGrid($("block-grid"), device, highlightMask(device, (seq) => seq.block_ids), 420);
     $("block-grid").dataset.step = String(snapshot.step);
     renderLegend(device);
     $("host-section").hidden = host === null;
     if (host !== null) {
       $("host-summary").textContent = "· " + host.pool.num_blocks + " blocks";
-      drawGrid($("host-grid"), host, highlightMask(host, "host_block_ids"), 140);
+      drawGrid($("host-grid"), host, highlightMask(host, (seq) => seq.host_block_ids), 140);
     }
+    renderGroups(latest.groups);
     renderCharts();
     renderRequests(snapshot);
+  }
+
+  // One titled grid per pool of the other KV cache groups, made on first sight.
+  function renderGroups(groups) {
+    $("group-section").hidden = groups.length === 0;
+    for (const {name, group, key, index} of groups) {
+      const id = "grid-" + name.replace("/", "-");
+      let canvas = $(id);
+      if (canvas === null) {
+        const title = document.createElement("h3");
+        title.id = id + "-title";
+        canvas = document.createElement("canvas");
+        canvas.id = id;
+        canvas.className = "grid";
+        $("group-grids").append(title, canvas);
+      }
+      $(id + "-title").textContent = name + " · " + index.pool.num_blocks + " blocks online · " +
+        (index.pool.bytes_per_block / 1024).toFixed(1) + " KiB each";
+      const runsOf = (seq) => (seq[key] || [])[group - 1] || [];
+      drawGrid(canvas, index, highlightMask(index, runsOf), 140);
+    }
   }
 
   function layout(canvas, n, maxHeight) {

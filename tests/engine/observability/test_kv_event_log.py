@@ -21,6 +21,8 @@ from kvpool.formats.kv_events import (
     KVEventBatch,
     decode_message,
     encode_message,
+    group_medium,
+    split_medium,
 )
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.kv_layout import KVLayout
@@ -29,6 +31,7 @@ from kvpool.memory.prefix_cache import hash_block, hash_full_blocks, salt_key
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
 from kvpool.memory.sequence_blocks import SequenceBlocks
 from kvpool.router.prefix_index import PrefixIndex
+from tests.memory.hybrid_checks import gemma_like_groups, hybrid_pool
 
 CONFIG = KVEventsConfig(True, publisher="null", topic="kv", include_token_ids=True)
 LAYOUT = KVLayout(block_size=2)
@@ -234,3 +237,39 @@ def assert_chained(event: BlockStored) -> None:
 
 TestEventLogMachine = EventLogMachine.TestCase
 TestEventLogMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_hybrid_pools_groups_are_reported_under_their_own_mediums() -> None:
+    """Each KV cache group's pool is a medium of its own ("device/g1"); events applied per
+    medium give what each group caches, and the router's index keeps the first group's."""
+    pool = hybrid_pool(gemma_like_groups(window=8), num_pages_of_largest=20)
+    publisher = RecordingPublisher()
+    log = KVEventLog(CONFIG, pool.block_size, publisher)
+    for group, group_pool in enumerate(pool.pools):
+        log.attach(group_pool, group)
+    first = SequenceBlocks(pool)
+    first.append_tokens(list(range(40)))  # 10 blocks published in each group
+    first.append_tokens([40])  # the window's dead blocks dropped
+    assert first.table.tables[1].num_dropped_blocks > 0  # dropped: still cached
+    first.free()
+    second = SequenceBlocks(pool)
+    second.append_tokens(list(range(100, 125)))  # evicts some of the first's, group by group
+    log.drain()
+    held: dict[str, set[bytes]] = {"device": set(), "device/g1": set()}
+    index = PrefixIndex()
+    for _, batch in publisher.batches:
+        index.apply(batch)
+        for event in batch.events:
+            if type(event) is BlockStored:
+                held[event.medium].update(event.block_hashes)
+            else:
+                held[event.medium].difference_update(event.block_hashes)
+    for group, group_pool in enumerate(pool.pools):
+        assert held[group_medium(DEVICE, group)] == set(group_pool.prefix_cache.block_hashes())
+    assert held["device"] != held["device/g1"]  # the groups evicted differently
+    snapshot = log.snapshot()
+    assert set(snapshot.blocks) == {(h, m) for m, hashes in held.items() for h in hashes}
+    assert index.blocks() == {(h, DEVICE) for h in held["device"]}
+    assert split_medium("device/g1") == (DEVICE, 1) and split_medium("host") == (HOST, 0)
+    second.free()
+    log.close()
