@@ -219,8 +219,12 @@ class KVCacheManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
         """Slots for the sequence's next `num_new_tokens` uncomputed tokens, growing KV memory
-        if it must; OutOfBlocksError (it cannot grow enough) changes nothing."""
+        if it must; OutOfBlocksError (it cannot grow enough) changes nothing but the blocks a
+        sliding window no longer reads, released first (so they count as allocatable)."""
         table = seq.block_table
+        if num_new_tokens > 0 and (dropped := table.drop_dead_blocks()):
+            # A sliding window's blocks no query reads again: gone from the table now.
+            self.listeners.blocks_freed(seq.request.request_id, seq.index, dropped)
         num_blocks = table.num_blocks
         copies = self._append_slots(table, num_new_tokens)
         for copy in copies:

@@ -6,7 +6,9 @@ simulator's replay). The first line is the header, then events in the order they
 
     {"format": "kvpool.kv_trace", "version": 1, "time": unix seconds at start,
      "block_size": 16, "num_blocks": online device blocks at start, "bytes_per_block": 36864,
-     "kv_cache_dtype": "bfloat16"}
+     "kv_cache_dtype": "bfloat16",
+     "groups": [{"layers": 22, "window": 512, "bytes_per_block": 202752}, ...]}
+                                    a hybrid model's KV cache groups past the first, if any
     {"e": "arrive", "s": 0, "t": 0.0012, "r": "req-0", "p": 57, "n": 1, "h": ["1a2b3c4d", ...]}
     {"e": "hit", "s": 1, "t": 0.0101, "r": "req-0", "q": 0, "b": [3, 4], "c": 32}
     {"e": "alloc", "s": 1, "t": 0.0102, "r": "req-0", "q": 0, "b": [5, 6]}
@@ -39,6 +41,12 @@ counting from 0 after the warm-up), "t" seconds since the header's time. The oth
              when used blocks were relocated (their references move from old to new)
     finish   r, "o" output tokens (the longest completion), "why" finish reason
     step     after each step: "u" used, "c" cached, "f" free, "o" online device blocks
+    groups   after each step of a hybrid model: "p": [[u, c, f, o], ...], the same counts for
+             each KV cache group past the first, in the header's order
+
+A hybrid model's (`kvpool.memory.kv_groups`) block events name its first group's blocks, the
+full-attention layers' (the other groups take and drop theirs with them, a sliding window's
+fewer): replaying them is replaying that group's pool; "groups" shows the others.
 
 Replaying references: hit, alloc, fork, swap_in and a cow's "dst" take one per block; free,
 preempt and a cow's "src" drop one; a shrink's "m" moves them. The blocks with references
@@ -60,7 +68,7 @@ from typing import Any
 TRACE_FORMAT = "kvpool.kv_trace"
 TRACE_VERSION = 1
 EVENT_KINDS = ("arrive", "hit", "alloc", "free", "evict", "fork", "cow", "preempt", "swap_in",
-               "spill", "grow", "shrink", "finish", "step")
+               "spill", "grow", "shrink", "finish", "step", "groups")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +78,15 @@ class TraceHeader:
     num_blocks: int
     bytes_per_block: int
     kv_cache_dtype: str
+    groups: tuple[dict[str, Any], ...] = ()  # KV cache groups past the first (module docstring)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, "time": self.time,
-                "block_size": self.block_size, "num_blocks": self.num_blocks,
-                "bytes_per_block": self.bytes_per_block, "kv_cache_dtype": self.kv_cache_dtype}
+        doc = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "time": self.time,
+               "block_size": self.block_size, "num_blocks": self.num_blocks,
+               "bytes_per_block": self.bytes_per_block, "kv_cache_dtype": self.kv_cache_dtype}
+        if self.groups:
+            doc["groups"] = list(self.groups)
+        return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +143,7 @@ def _parse_header(path: str | Path, line: str) -> TraceHeader:
                          f"(this kvpool reads version {TRACE_VERSION})")
     try:
         return TraceHeader(float(doc["time"]), int(doc["block_size"]), int(doc["num_blocks"]),
-                           int(doc["bytes_per_block"]), str(doc["kv_cache_dtype"]))
+                           int(doc["bytes_per_block"]), str(doc["kv_cache_dtype"]),
+                           tuple(dict(group) for group in doc.get("groups", ())))
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: bad KV trace header ({error!r})") from None

@@ -144,7 +144,10 @@ class BlockTable:
 
     def drop_dead_blocks(self) -> list[int]:
         """Release the published blocks no query from the next position on reads (a sliding
-        window's, oldest first, so they are evicted first); returns their ids."""
+        window's, oldest first, so they are evicted first); returns their ids (none for full
+        attention)."""
+        if self.group is None:
+            return []
         first_live = min(self.group.first_live_block(self.num_tokens), self.num_published_blocks)
         start = self.num_dropped_blocks
         if first_live <= start:

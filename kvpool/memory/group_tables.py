@@ -102,11 +102,10 @@ class GroupBlockTables:
         if not self.pool.make_allocatable(demands):
             raise OutOfBlocksError(sum(demands), 0, 0)
 
-    def drop_dead_blocks(self) -> None:
-        """Every window group releases what no later query reads (`BlockTable`)."""
-        for table in self.tables:
-            if table.group is not None:
-                table.drop_dead_blocks()
+    def drop_dead_blocks(self) -> list[int]:
+        """Every window group releases what no later query reads (`BlockTable`); returns the
+        first group's (what events report, as `block_ids` is the first group's)."""
+        return [table.drop_dead_blocks() for table in self.tables][0]
 
     def commit_tentative(self, num_accepted: int) -> list[int]:
         """Every group keeps the same drafts; returns the first group's blocks given back

@@ -2,6 +2,7 @@
 
     KVMemory
       layout      KVLayout: block size, shape, dtype, bytes per block (the one owner)
+      groups      one KV cache group of every layer (`HybridKVMemory` has several)
       arena       one reservation of (num_blocks + 1) blocks, the null block included
       kv_cache    KVCache over the arena: [num_blocks + 1, num_layers, 2, block_size, ...],
                   and for int8 / fp8 its scale pool beside it (same block ids)
@@ -34,6 +35,7 @@ from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool, BlockPoolStats
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
 from kvpool.memory.kv_cache import KVCache
+from kvpool.memory.kv_groups import kv_groups
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_listener import KVListeners
 from kvpool.memory.kv_pool import KVPool, KVPoolStats, StaticKVPool
@@ -71,6 +73,7 @@ class KVMemory:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
+        self.groups = kv_groups(layout, [None] * layout.num_layers)  # one: every layer, full
         self.watermark_blocks = int(watermark * num_blocks)
         bytes_per_block = layout.kv_bytes_per_block  # the arena holds codes; scales beside it
         num_rows = num_blocks + 1  # the null block first

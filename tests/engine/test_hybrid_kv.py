@@ -252,3 +252,33 @@ def test_the_snapshot_draws_every_groups_pools_exactly(checkpoint):
         assert again.sequences == snapshot.sequences
     assert "swapped" in statuses
     finish(engine)
+
+
+def test_the_kv_trace_names_the_groups_and_follows_each(checkpoint, tmp_path):
+    """`--kv-trace` on a hybrid model: the header lists the groups past the first, each
+    step's "groups" event their counts (which match the pools at the end), and the block
+    events replay the first group's pool."""
+    from kvpool.formats.kv_trace import read_kv_trace
+
+    loaded, _ = checkpoint
+    path = tmp_path / "trace.jsonl"
+    engine = engine_over(loaded, kv_trace=str(path))
+    run_all(engine, prompts(), GREEDY)
+    memory = engine.kv_memory
+    finish(engine)
+    trace = read_kv_trace(path)
+    others = memory.groups[1:]
+    assert [g["window"] for g in trace.header.groups] == [g.window for g in others]
+    assert trace.header.bytes_per_block == memory.groups[0].layout.bytes_per_block
+    steps = list(trace.of_kind("step"))
+    per_group = list(trace.of_kind("groups"))
+    assert len(per_group) == (len(steps) if others else 0)  # Mistral: one (window) group
+    assert all(len(e["p"]) == len(others) for e in per_group)
+    for index in range(len(others)):  # each group past the first used blocks
+        assert any(e["p"][index][0] for e in per_group)
+    held: dict[int, int] = {}
+    for event in trace.of_kind("hit", "alloc", "free", "fork", "preempt", "swap_in"):
+        sign = -1 if event["e"] in ("free", "preempt") else 1
+        for block_id in event["b"]:
+            held[block_id] = held.get(block_id, 0) + sign
+    assert not any(held.values())  # every reference the first group took, given back

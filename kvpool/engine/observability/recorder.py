@@ -36,10 +36,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from kvpool.formats.kv_trace import EVENT_KINDS, TraceHeader
 from kvpool.formats.snapshot_runs import short_hash
+from kvpool.memory.block_pool import DEVICE
 from kvpool.memory.kv_listener import KVListener, KVListeners
 
 if TYPE_CHECKING:
     from kvpool.memory.block_pool import BlockPool
+    from kvpool.memory.hybrid_memory import HybridKVMemory
     from kvpool.memory.kv_memory import KVMemory
     from kvpool.memory.prefix_cache import CachedBlock
 
@@ -60,6 +62,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "shrink": ("n", "d", "m"),
     "finish": ("r", "o", "why"),
     "step": ("u", "c", "f", "o"),
+    "groups": ("p",),
 }
 assert tuple(_FIELDS) == EVENT_KINDS, "the recorder must know every kind of the format"
 
@@ -70,11 +73,14 @@ _clock = time.perf_counter
 class KVRecorder(KVListener):
     """Buffers one step's KV events and writes them as trace lines after it."""
 
-    def __init__(self, file: TextIO, header: TraceHeader, pool: BlockPool) -> None:
+    def __init__(self, file: TextIO, header: TraceHeader, pool: BlockPool,
+                 group_pools: Sequence[BlockPool] = ()) -> None:
         """Write `header` to `file` (open for text); events' times count from now; `pool`
-        (the device pool) is summed up at each step's end."""
+        (the device pool, the first KV cache group's) and `group_pools` (a hybrid model's
+        other groups') are summed up at each step's end."""
         self._file = file
         self._pool = pool
+        self._group_pools = tuple(group_pools)
         self._start = _clock()
         self._events: list[tuple[Any, ...]] = []
         self._evicted: list[int] = []  # gathering into one evict event
@@ -85,14 +91,20 @@ class KVRecorder(KVListener):
         file.write(_encode(header.to_json()) + "\n")
 
     @classmethod
-    def start(cls, path: str, memory: KVMemory) -> KVRecorder:
+    def start(cls, path: str, memory: KVMemory | HybridKVMemory) -> KVRecorder:
         """A recorder writing to `path` (truncated), registered on `memory.listeners`."""
         layout, pool = memory.layout, memory.pool
+        others = [(group, pool) for pool, group in memory.cache_pools()
+                  if group and pool.medium == DEVICE]
+        groups = tuple({"layers": len(memory.groups[group].layers),
+                        "window": memory.groups[group].window,
+                        "bytes_per_block": memory.groups[group].layout.bytes_per_block}
+                       for group, _ in others)
         header = TraceHeader(time.time(), layout.block_size, pool.num_blocks,
-                             layout.bytes_per_block, str(layout.dtype))
+                             memory.groups[0].layout.bytes_per_block, str(layout.dtype), groups)
         # Kept open for the engine's life; `close` (or the engine's finalizer) closes it.
         file = open(path, "w", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
-        recorder = cls(file, header, pool)
+        recorder = cls(file, header, pool, [group_pool for _, group_pool in others])
         memory.listeners.add(recorder)
         recorder._listeners = memory.listeners
         return recorder
@@ -194,8 +206,10 @@ class KVRecorder(KVListener):
         """The step summary (the device pool's blocks), then this step's lines written;
         later events belong to `next_step`."""
         pool = self._pool
-        self._record("step", self.step, _clock(), pool.num_used_blocks, pool.num_cached_blocks,
-                     pool.num_free_blocks, pool.num_blocks)
+        self._record("step", self.step, _clock(), *_counts(pool))
+        if self._group_pools:
+            self._record("groups", self.step, _clock(),
+                         [_counts(group_pool) for group_pool in self._group_pools])
         self.flush()
         self.step = next_step
 
@@ -224,3 +238,8 @@ class KVRecorder(KVListener):
             self._listeners = None
         self.flush()
         self._file.close()
+
+
+def _counts(pool: BlockPool) -> list[int]:
+    """A step event's counts of `pool`: used, cached, free, online."""
+    return [pool.num_used_blocks, pool.num_cached_blocks, pool.num_free_blocks, pool.num_blocks]
