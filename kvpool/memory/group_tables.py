@@ -105,7 +105,8 @@ class GroupBlockTables:
     def drop_dead_blocks(self) -> list[int]:
         """Every window group releases what no later query reads (`BlockTable`); returns the
         first group's (what events report, as `block_ids` is the first group's)."""
-        return [table.drop_dead_blocks() for table in self.tables][0]
+        dropped = [table.drop_dead_blocks() for table in self.tables]  # every group drops
+        return dropped[0]
 
     def commit_tentative(self, num_accepted: int) -> list[int]:
         """Every group keeps the same drafts; returns the first group's blocks given back
