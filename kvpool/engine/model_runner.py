@@ -71,10 +71,11 @@ class SequenceChunk:
     num_samples: int = 1
     prompt_logprob_positions: range = range(0)
     num_draft_tokens: int = 0
+    other_group_block_ids: tuple[Sequence[int], ...] = ()  # a hybrid pool's groups past the first
 
     @property
-    def group_block_ids(self) -> tuple[Sequence[int]]:
-        return (self.block_ids,)
+    def group_block_ids(self) -> tuple[Sequence[int], ...]:
+        return (self.block_ids, *self.other_group_block_ids)
 
 
 class CausalLM(Protocol):

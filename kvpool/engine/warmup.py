@@ -96,7 +96,7 @@ def measure_transfer_rates(parts: EngineParts, runner: ModelRunner) -> TransferR
     num_blocks = min(RATE_COPY_BLOCKS, pool.num_allocatable_blocks, host.pool.num_free_blocks)
     device_ids = pool.allocate(num_blocks)
     host_ids = host.pool.allocate(num_blocks)
-    bytes_moved = num_blocks * memory.layout.bytes_per_block
+    bytes_moved = num_blocks * pool.layout.bytes_per_block  # (a hybrid pool: its first group's)
 
     def copy(dst, dst_ids, src, src_ids) -> int:
         for dst_id, src_id in zip(dst_ids, src_ids, strict=True):
@@ -111,14 +111,17 @@ def measure_transfer_rates(parts: EngineParts, runner: ModelRunner) -> TransferR
 
 
 def _prefill_flops_per_s(parts: EngineParts, runner: ModelRunner) -> float:
-    """FLOP/s of one prompt's prefill (best of two), on blocks taken from the pool."""
-    layout, pool = parts.kv_memory.layout, parts.kv_memory.pool
-    num_tokens = min(RATE_PROMPT_TOKENS, parts.max_model_len - 1,
-                     pool.num_allocatable_blocks * layout.block_size)
-    block_ids = pool.allocate(layout.num_blocks_for_tokens(num_tokens))
+    """FLOP/s of one prompt's prefill (best of two), in a block table of the KV memory's."""
+    memory = parts.kv_memory
+    table = memory.new_block_table()
+    num_tokens = min(RATE_PROMPT_TOKENS, parts.max_model_len - 1)
+    while num_tokens > 1 and not memory.grow_until_allocatable(memory.demand(table, num_tokens)):
+        num_tokens //= 2
+    table.append_slots(num_tokens)
     vocab_size = parts.model_config.vocab_size
+    first, *others = table.group_block_ids
     chunk = SequenceChunk([(7 * token + 1) % vocab_size for token in range(num_tokens)], 0,
-                          block_ids)
+                          first, other_group_block_ids=tuple(others))
     best = float("inf")
     for _ in range(2):
         start = time.perf_counter()
@@ -126,5 +129,5 @@ def _prefill_flops_per_s(parts: EngineParts, runner: ModelRunner) -> float:
         if parts.device.type == "cuda":
             torch.cuda.synchronize(parts.device)
         best = min(best, time.perf_counter() - start)
-    pool.free(block_ids)
+    table.free()
     return prefill_flops(parts.model_config, num_tokens) / best

@@ -59,6 +59,7 @@ class GroupedKVCache:
         self.layer_views = tuple(layer_views)
         self.scale_views = (None,) * num_layers
         self.tensor = self.tensors[0]  # the first group's: what one-group code reads
+        self.scales = None
         self.group_caches = tuple(GroupKV(tensor) for tensor in self.tensors)
 
     def _view(self, buffer: torch.Tensor, group: int) -> torch.Tensor:

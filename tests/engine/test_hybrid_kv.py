@@ -282,3 +282,14 @@ def test_the_kv_trace_names_the_groups_and_follows_each(checkpoint, tmp_path):
         for block_id in event["b"]:
             held[block_id] = held.get(block_id, 0) + sign
     assert not any(held.values())  # every reference the first group took, given back
+
+
+def test_the_warm_up_measures_swap_rates_on_the_hybrid_pool(checkpoint):
+    """`preemption_mode="auto"` with a host tier: the warm-up times copies between the first
+    group's pages and its host tier."""
+    loaded, _ = checkpoint
+    engine = engine_over(loaded, swap_space=0.01, enable_warmup=True)
+    assert isinstance(engine.kv_memory, HybridKVMemory)
+    rates = engine.scheduler.kv.policy.rates
+    assert rates.device_to_host_bytes_per_s > 0 and rates.host_to_device_bytes_per_s > 0
+    finish(engine)
