@@ -126,8 +126,7 @@ def _build_parallel_parts(config: EngineConfig, loaded: LoadedModel | None) -> E
     try:
         parts = _assemble_parts(config, load_engine_model(config, workers.tp, device), device,
                                 workers.tp)
-        kv_cache = parts.kv_memory.kv_cache
-        workers.send_kv_spec(KVSpec(kv_cache.layout, kv_cache.num_blocks))
+        workers.send_kv_spec(KVSpec.of(parts.kv_memory.kv_cache))
     except BaseException:
         workers.close()
         raise
@@ -154,7 +153,7 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     groups = kv_groups(layout, [spec.sliding_window for spec in model_config.layer_specs],
                        max_model_len=max_model_len)
     if len(groups) > 1 or groups[0].window is not None:
-        why_not = _why_not_hybrid(config, layout, tp, device)
+        why_not = _why_not_hybrid(config, layout, device)
         if why_not is None:
             kv_memory = HybridKVMemory(layout, groups, num_blocks * layout.bytes_per_block,
                                        device, enable_prefix_caching=cache.enable_prefix_caching,
@@ -180,16 +179,15 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
                        max_model_len, kv_memory, _sampling_defaults(config.load, loaded))
 
 
-def _why_not_hybrid(config: EngineConfig, layout: KVLayout, tp: TensorParallel,
+def _why_not_hybrid(config: EngineConfig, layout: KVLayout,
                     device: torch.device) -> str | None:
     """Why sliding-window layers must keep every block here, or None (vLLM, too, turns its
-    hybrid manager off for what it cannot serve). The elastic pool, quantized scales,
-    tensor-parallel workers and CUDA graphs hold one group of KV so far."""
+    hybrid manager off for what it cannot serve). The elastic pool, quantized scales and
+    CUDA graphs hold one group of KV so far."""
     reasons = {
         "--disable-hybrid-kv-cache-manager": config.cache.disable_hybrid_kv_cache_manager,
         "--kv-pool elastic": config.cache.kv_pool != "static",
         f"--kv-cache-dtype {config.cache.kv_cache_dtype}": layout.is_quantized,
-        "--tensor-parallel-size > 1": tp.is_parallel,
         "CUDA graphs (--enforce-eager lifts it)": (device.type == "cuda"
                                                   and not config.load.enforce_eager),
     }

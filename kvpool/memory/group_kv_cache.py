@@ -2,7 +2,8 @@
 
 The hybrid pool (`kvpool.memory.hybrid_pool`) hands group g pages of `page_g` bytes at offsets
 that are whole multiples of its `unit`, and names page b by `b = offset / unit`. So group g's
-KV is one strided view of the buffer, indexed by those ids directly:
+KV is one strided view of the buffer, indexed by those ids directly (the views need only the
+groups, the unit and the buffer: a tensor-parallel worker builds the same over its own):
 
     kv_g[num_rows_g, L_g, 2, block_size, num_kv_heads, head_dim]
       stride of dim 0 = unit bytes (rows overlap: only ids the pool handed out are used)
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.memory.block_table import BlockCopy
-from kvpool.memory.hybrid_pool import HybridBlockPool
+from kvpool.memory.kv_groups import KVGroup, page_rows
 from kvpool.memory.kv_layout import KVLayout
 
 
@@ -38,20 +39,23 @@ class GroupKV:
 
 
 class GroupedKVCache:
-    """Group views over `buffer` (the hybrid pool's arena buffer) for `pool`'s groups."""
+    """Views over `buffer` (the hybrid pool's reservation: `HybridBlockPool.arena`'s bytes)
+    for `groups`, whose pages start at whole multiples of `unit` bytes."""
 
-    def __init__(self, pool: HybridBlockPool, buffer: torch.Tensor) -> None:
-        self.pool = pool
-        self.group_layouts: tuple[KVLayout, ...] = tuple(g.layout for g in pool.groups)
+    def __init__(self, groups: Sequence[KVGroup], unit: int, buffer: torch.Tensor) -> None:
+        self.groups = tuple(groups)
+        self.unit = unit
+        self.group_layouts: tuple[KVLayout, ...] = tuple(g.layout for g in self.groups)
         if any(layout.is_quantized for layout in self.group_layouts):
             raise ValueError("grouped KV does not hold int8 / fp8 scales")
         # Zeroed once, the null page and every other: attention weighs a block's unwritten
         # slots by 0, and 0 times stale bytes read as NaN would still be NaN.
         buffer.zero_()
-        self.tensors = tuple(self._view(buffer, group) for group in range(pool.num_groups))
-        num_layers = sum(len(group.layers) for group in pool.groups)
+        self.buffer = buffer
+        self.tensors = tuple(self._view(group) for group in range(len(self.groups)))
+        num_layers = sum(len(group.layers) for group in self.groups)
         layer_groups, layer_views = [0] * num_layers, [None] * num_layers
-        for index, group in enumerate(pool.groups):
+        for index, group in enumerate(self.groups):
             for position, layer in enumerate(group.layers):
                 layer_groups[layer] = index
                 layer_views[layer] = self.tensors[index][:, position]
@@ -62,21 +66,22 @@ class GroupedKVCache:
         self.scales = None
         self.group_caches = tuple(GroupKV(tensor) for tensor in self.tensors)
 
-    def _view(self, buffer: torch.Tensor, group: int) -> torch.Tensor:
-        layout, unit = self.group_layouts[group], self.pool.unit
+    def _view(self, group: int) -> torch.Tensor:
+        layout, unit = self.group_layouts[group], self.unit
         element = layout.element_size
         assert unit % element == 0, "a page must start on an element"
-        typed = buffer[: self.pool.arena.num_reserved_bytes].view(layout.torch_dtype)
+        typed = self.buffer.view(layout.torch_dtype)
         block = layout.block_shape  # [L_g, 2, block_size, heads, head_dim]
         strides, stride = [], 1
         for size in reversed(block):
             strides.insert(0, stride)
             stride *= size
-        return typed.as_strided((self.pool.num_rows(group), *block), (unit // element, *strides))
+        num_rows = page_rows(self.nbytes, layout.bytes_per_block, unit)
+        return typed.as_strided((num_rows, *block), (unit // element, *strides))
 
     @property
     def nbytes(self) -> int:
-        return self.pool.arena.num_reserved_bytes
+        return self.buffer.numel()
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Whole-block copies, each within its group (sources read before any write)."""

@@ -73,7 +73,7 @@ class HybridKVMemory:
         self.arena = Arena.reserve(num_reserved, "meta")
         self.hybrid = HybridBlockPool(self.groups, self.arena, enable_prefix_caching)
         buffer = torch.empty(num_reserved, dtype=torch.uint8, device=device)
-        self.kv_cache = GroupedKVCache(self.hybrid, buffer)
+        self.kv_cache = GroupedKVCache(self.groups, self.hybrid.unit, buffer)
         self.pool = self.hybrid.pools[0]
         self.num_usable_bytes = self.arena.num_reserved_bytes - self.hybrid.unit * (
             -(-null_bytes // self.hybrid.unit))

@@ -38,7 +38,7 @@ from collections.abc import Collection, Sequence
 from kvpool.memory.arena import Arena, ArenaHandle, ArenaOutOfMemoryError
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.hybrid_prefix import GroupMatch, match_groups
-from kvpool.memory.kv_groups import KVGroup
+from kvpool.memory.kv_groups import KVGroup, page_rows
 from kvpool.memory.prefix_cache import BlockHash
 from kvpool.memory.resizable_block_pool import ResizableBlockPool
 
@@ -73,7 +73,7 @@ class HybridBlockPool:
 
     def num_rows(self, group: int) -> int:
         """Rows of group `group`'s strided view: the ids whose page fits in the buffer."""
-        return (self.arena.num_reserved_bytes - self.page_bytes[group]) // self.unit + 1
+        return page_rows(self.arena.num_reserved_bytes, self.page_bytes[group], self.unit)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash],
                      token_ids: Sequence[int]) -> GroupMatch:

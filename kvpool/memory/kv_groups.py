@@ -109,3 +109,9 @@ def max_concurrency(groups: Sequence[KVGroup], num_bytes: int, max_model_len: in
     once: vLLM's "maximum concurrency", from the groups (with one group of every layer it is
     `KVLayout.max_concurrency`'s tokens / max_model_len, rounded down to whole blocks)."""
     return num_bytes / bytes_for_tokens(groups, max_model_len)
+
+
+def page_rows(num_bytes: int, page_bytes: int, unit: int) -> int:
+    """Ids b whose page of `page_bytes` at offset b * `unit` lies within `num_bytes`: the rows of
+    a group's strided view of a hybrid pool's buffer (`kvpool.memory.group_kv_cache`)."""
+    return (num_bytes - page_bytes) // unit + 1

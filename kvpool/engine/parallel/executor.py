@@ -43,7 +43,7 @@ from kvpool.engine.parallel.group import (
     split_threads,
     torchrun_rendezvous,
 )
-from kvpool.engine.parallel.messages import KVSpec, StepMessage, send
+from kvpool.engine.parallel.messages import GroupedKVSpec, KVSpec, StepMessage, send
 from kvpool.engine.parallel.worker import spawned_worker
 from kvpool.model.parallel import TensorParallel
 
@@ -106,7 +106,7 @@ class WorkerGroup:
         return group
 
     # -------------------------------------------------------------- messages
-    def send_kv_spec(self, spec: KVSpec) -> None:
+    def send_kv_spec(self, spec: KVSpec | GroupedKVSpec) -> None:
         """Tell the workers their KV cache's layout and size (once, before any step)."""
         self._send(spec)
 

@@ -21,8 +21,13 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.model_loading import load_engine_model, resolve_device
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.parallel.group import Rendezvous, join, leave, rank_device, split_threads
-from kvpool.engine.parallel.messages import KVSpec, StepMessage, inputs_to, receive
-from kvpool.memory.kv_cache import KVCache
+from kvpool.engine.parallel.messages import (
+    GroupedKVSpec,
+    KVSpec,
+    StepMessage,
+    inputs_to,
+    receive,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +39,10 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     tp, control = join(rendezvous, device, config.parallel.tensor_parallel_overlap_chunks)
     try:
         loaded = load_engine_model(config, tp, device)
-        spec: KVSpec | None = receive(control)
+        spec: KVSpec | GroupedKVSpec | None = receive(control)
         if spec is None:  # rank 0 failed to start, and stops the group
             return
-        kv_cache = KVCache(spec.layout, spec.num_blocks, device)
-        _step_loop(ModelRunner(loaded.model, kv_cache, device), control, device)
+        _step_loop(ModelRunner(loaded.model, spec.allocate(device), device), control, device)
     finally:
         leave()
 
