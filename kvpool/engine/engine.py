@@ -262,7 +262,7 @@ class LLMEngine:
         back first."""
         num_used_blocks = self.kv_memory.pool.num_used_blocks
         try:
-            self.kv_tiers.before_step(batch.written_block_ids)
+            self.kv_memory.before_step(batch.written_block_ids)
             if not batch.chunks:
                 return SamplerOutput(token_ids=[], logprobs=[])
             logits = self.runner.execute(batch.chunks, batch.block_copies)

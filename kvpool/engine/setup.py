@@ -153,7 +153,7 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     groups = kv_groups(layout, [spec.sliding_window for spec in model_config.layer_specs],
                        max_model_len=max_model_len)
     if len(groups) > 1 or groups[0].window is not None:
-        why_not = _why_not_hybrid(config, layout, device)
+        why_not = _why_not_hybrid(config, device)
         if why_not is None:
             kv_memory = HybridKVMemory(layout, groups, num_blocks * layout.bytes_per_block,
                                        device, enable_prefix_caching=cache.enable_prefix_caching,
@@ -179,15 +179,13 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
                        max_model_len, kv_memory, _sampling_defaults(config.load, loaded))
 
 
-def _why_not_hybrid(config: EngineConfig, layout: KVLayout,
-                    device: torch.device) -> str | None:
+def _why_not_hybrid(config: EngineConfig, device: torch.device) -> str | None:
     """Why sliding-window layers must keep every block here, or None (vLLM, too, turns its
-    hybrid manager off for what it cannot serve). The elastic pool, quantized scales and
-    CUDA graphs hold one group of KV so far."""
+    hybrid manager off for what it cannot serve). The elastic pool and CUDA graphs hold one
+    group of KV so far."""
     reasons = {
         "--disable-hybrid-kv-cache-manager": config.cache.disable_hybrid_kv_cache_manager,
         "--kv-pool elastic": config.cache.kv_pool != "static",
-        f"--kv-cache-dtype {config.cache.kv_cache_dtype}": layout.is_quantized,
         "CUDA graphs (--enforce-eager lifts it)": (device.type == "cuda"
                                                   and not config.load.enforce_eager),
     }
@@ -236,10 +234,10 @@ def _group_tiers(config: EngineConfig, groups: Sequence[KVGroup], dtype: torch.d
     disk budgets are split so that every group's tier holds as many blocks: the same
     prefix's blocks are spilled and reloaded in every group."""
     tiers, pin = config.tiers, device.type == "cuda"
-    total = sum(group.layout.bytes_per_block for group in groups)
+    total = sum(group.page_bytes for group in groups)
     lower = []
     for group in groups:
-        share = group.layout.bytes_per_block / total
+        share = group.page_bytes / total
         namespace = (f"{kv_namespace(config, group.layout, dtype)}|layers={group.layers}"
                      f"|window={group.window}")
         host = HostKVTier.for_budget(group.layout, int(tiers.swap_space * 2**30 * share), pin)

@@ -20,7 +20,7 @@ per group, and growing means taking pages from the arena (or from another group'
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +62,8 @@ class HybridKVMemory:
         """`lower[g]`: group g's tiers below the device, nearest first (none by default)."""
         self.layout = layout
         self.groups = tuple(groups)
-        null_bytes = max(group.layout.bytes_per_block for group in self.groups)
-        if num_bytes < sum(group.layout.bytes_per_block for group in self.groups):
+        null_bytes = max(group.page_bytes for group in self.groups)
+        if num_bytes < sum(group.page_bytes for group in self.groups):
             raise ValueError(f"a KV budget of {num_bytes} bytes cannot hold one block of "
                              "every group")
         num_reserved = align_up(null_bytes + num_bytes, 256)
@@ -161,6 +161,16 @@ class HybridKVMemory:
 
     def free_swapped(self, swapped: SwappedKV) -> None:
         self.tiers.free_swapped(swapped)
+
+    def before_step(self, written_block_ids: Callable[[], Collection[int]] = frozenset
+                    ) -> None:
+        """The tiers' copies, before the step's model: every group's copy-outs first, then
+        the pages carved since the last step cleared (they may hold another group's bytes,
+        which the copy-outs had to read first: `GroupedKVCache.clear_pages`), then the
+        copies in."""
+        self.tiers.run_copy_outs()
+        self.kv_cache.clear_pages(self.hybrid.take_fresh_pages())
+        self.tiers.before_step(written_block_ids)
 
     # --------------------------------------------------------------- resizing
     def maybe_resize(self, now: float, block_tables: Iterable[object]) -> None:

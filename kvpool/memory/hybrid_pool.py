@@ -52,7 +52,7 @@ class HybridBlockPool:
             raise ValueError("a KV pool needs at least one group")
         self.groups = tuple(groups)
         self.arena = arena
-        self.page_bytes = tuple(group.layout.bytes_per_block for group in self.groups)
+        self.page_bytes = tuple(group.page_bytes for group in self.groups)
         self.unit = math.gcd(*self.page_bytes)
         null = arena.allocate(max(self.page_bytes), alignment=self.unit)
         if null.offset != 0:
@@ -61,6 +61,7 @@ class HybridBlockPool:
         self.pools = tuple(ResizableBlockPool(self.num_units, group.layout, enable_prefix_caching)
                            for group in self.groups)
         self._handles: tuple[dict[int, ArenaHandle], ...] = tuple({} for _ in self.groups)
+        self._fresh: list[tuple[int, int]] = []  # (group, id) carved since `take_fresh_pages`
 
     # ----------------------------------------------------------------- queries
     @property
@@ -147,7 +148,14 @@ class HybridBlockPool:
             new_ids.append(block_id)
         if new_ids:
             self.pools[group].add_blocks(new_ids)
+            self._fresh.extend((group, block_id) for block_id in new_ids)
         return len(new_ids)
+
+    def take_fresh_pages(self) -> list[tuple[int, int]]:
+        """The (group, id) pages carved from the arena since the last call: their bytes may
+        still be another group's (`GroupedKVCache.clear_pages`)."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def _reclaim(self, group: int, demands: Sequence[int],
                  keep: Sequence[Collection[int]]) -> bool:

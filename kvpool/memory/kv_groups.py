@@ -26,6 +26,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpool.memory.arena import BASE_ALIGNMENT
+from kvpool.memory.arena_free_list import align_up
 from kvpool.memory.kv_layout import KVLayout, cdiv
 
 FULL, SLIDING = "full", "sliding"
@@ -52,6 +54,12 @@ class KVGroup:
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes a block of this group takes in a hybrid pool's arena: its layout's, rounded
+        up to the arena's base alignment (an int8 page of codes and scales seldom is one)."""
+        return align_up(self.layout.bytes_per_block, BASE_ALIGNMENT)
 
     def first_live_block(self, next_position: int) -> int:
         """Index of the first block a query at `next_position` or later still reads; every
@@ -100,7 +108,7 @@ def bytes_for_tokens(groups: Sequence[KVGroup], num_tokens: int,
                      num_query_tokens: int = 1) -> int:
     """KV bytes one sequence of `num_tokens` tokens holds, summed over the groups, during a
     step computing its last `num_query_tokens`."""
-    return sum(group.max_blocks_held(num_tokens, num_query_tokens) * group.layout.bytes_per_block
+    return sum(group.max_blocks_held(num_tokens, num_query_tokens) * group.page_bytes
                for group in groups)
 
 

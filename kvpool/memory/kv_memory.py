@@ -25,7 +25,7 @@ sequences) is derived here once, from the pool's largest size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -171,6 +171,11 @@ class KVMemory:
     def free_swapped(self, swapped: SwappedKV) -> None:
         """A swapped sequence ended without resuming: its host blocks go back."""
         self.tiers.free_swapped(swapped.host_ids[0])
+
+    def before_step(self, written_block_ids: Callable[[], Collection[int]] = frozenset
+                    ) -> None:
+        """The tiers' queued copies, before the step's model (`KVTiers.before_step`)."""
+        self.tiers.before_step(written_block_ids)
 
     # --------------------------------------------------------------- resizing
     def grow_until_allocatable(self, num_blocks: int, keep_watermark: bool = False) -> bool:

@@ -158,7 +158,6 @@ def test_max_concurrency_counts_only_the_window(checkpoint):
 
 
 @pytest.mark.parametrize(("options", "reason"), [
-    ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype int8"),
     ({"kv_pool": "elastic"}, "--kv-pool elastic"),
 ])
 def test_what_keeps_one_group_turns_the_hybrid_manager_off_and_says_why(
@@ -293,3 +292,21 @@ def test_the_warm_up_measures_swap_rates_on_the_hybrid_pool(checkpoint):
     rates = engine.scheduler.kv.policy.rates
     assert rates.device_to_host_bytes_per_s > 0 and rates.host_to_device_bytes_per_s > 0
     finish(engine)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_gives_the_same_tokens_with_the_hybrid_manager_on_and_off(
+        checkpoint, kv_cache_dtype):
+    """int8 / fp8 codes with each page's scales after them: the same codes and scales as one
+    group's cache, so the same tokens, batched and preempted (pages change groups)."""
+    loaded, _ = checkpoint
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outputs = {}
+    for hybrid in (True, False):
+        engine = engine_over(loaded, kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=36,
+                             max_num_seqs=8, disable_hybrid_kv_cache_manager=not hybrid)
+        assert isinstance(engine.kv_memory, HybridKVMemory if hybrid else KVMemory)
+        outputs[hybrid] = token_ids(run_all(engine, crowd(), params))
+        assert engine.stats().num_preemptions > 0
+        finish(engine)
+    assert outputs[True] == outputs[False]

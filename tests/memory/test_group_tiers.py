@@ -7,6 +7,7 @@ import torch
 
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.hybrid_memory import HybridKVMemory
+from kvpool.memory.kv_groups import kv_groups
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.sequence_blocks import SequenceBlocks
 from kvpool.memory.tiers.host_tier import HostKVTier
@@ -91,3 +92,30 @@ def test_a_swapped_table_comes_back_with_its_window_and_its_kv():
     assert all(t.host.pool.num_used_blocks == 0 for t in memory.tiers.groups)
     torch.testing.assert_close(memory.kv_cache.tensors[0][0],
                                torch.zeros_like(memory.kv_cache.tensors[0][0]))
+
+
+def test_a_page_from_another_group_is_cleared_after_its_copy_out_and_before_any_write():
+    """fp8 codes and float32 scales over one buffer: a page group 1 gave up holds bytes that
+    read as NaN in group 0's layout. The step's preparation copies group 1's spill out first,
+    then zeroes the page (codes and scales) for group 0, then copies in."""
+    layout = KVLayout(BLOCK_SIZE, 6, 1, 8, "float8_e4m3fn")
+    groups = kv_groups(layout, [None if (i + 1) % 3 == 0 else 8 for i in range(6)])
+    memory = HybridKVMemory(layout, groups, sum(g.page_bytes for g in groups),
+                            lower=[[HostKVTier(g.layout, 4)] for g in groups])
+    hybrid, cache, tiers = memory.hybrid, memory.kv_cache, memory.tiers.groups
+    assert hybrid.make_allocatable([0, 1])
+    [page] = hybrid.pools[1].allocate(1)
+    cache.buffer[page * hybrid.unit:][:groups[1].page_bytes] = 0xFF  # NaN as fp8 and float32
+    [host_1] = tiers[1].swap_out([page])
+    hybrid.pools[1].free([page])
+    assert hybrid.make_allocatable([2, 0])  # group 0 takes the bytes back
+    pages = hybrid.pools[0].allocate(2)
+    memory.before_step()
+    host = tiers[1].host.kv_cache
+    assert bool((host.tensor[host_1].view(torch.uint8) == 0xFF).all())  # copied out first
+    for block_id in pages:
+        assert not cache.tensors[0][block_id].float().isnan().any()
+        assert bool((cache.scale_tensors[0][block_id] == 0).all())
+    tiers[1].free_swapped([host_1])
+    hybrid.pools[0].free(pages)
+    memory.check_invariants()

@@ -67,7 +67,9 @@ class GroupTiers(KVListener):
         side = SideStream.for_device(caches[0].tensor.device)
         self.groups = tuple(KVTiers(pool, cache, tiers, side)
                             for pool, cache, tiers in zip(pools, caches, lower, strict=True))
-        self._num_rows = tuple(cache.tensor.shape[0] for cache in caches)
+        # Every id of each group's view: what a step may write, as far as copies know.
+        self._every_id = tuple((lambda rows=cache.tensor.shape[0]: range(rows))
+                               for cache in caches)
         self._first_pool = pools[0]
         if len(self.groups) > 1 and any(lower):  # the step's end, heard on the first pool
             pools[0].listeners.add(self, reacts=True)
@@ -145,14 +147,18 @@ class GroupTiers(KVListener):
             tiers.free_swapped(host_ids)
 
     # ------------------------------------------------------------- the step
-    def before_step(self, written_block_ids: Callable[[], Collection[int]] = frozenset) -> None:
-        """Every group's copy-outs, then the rest (module docstring). On CUDA the step waits
-        for every copy-out: ids of different groups overlap in bytes, so the step's written
-        ids (`written_block_ids`, ignored) cannot tell which copies it would clobber."""
-        written = [(lambda rows=rows: range(rows)) for rows in self._num_rows]
-        for tiers, every_id in zip(self.groups, written, strict=True):
+    def run_copy_outs(self) -> None:
+        """Every group's queued device → host copies, now (module docstring). On CUDA the
+        step waits for them all: ids of different groups overlap in bytes, so the step's
+        written ids cannot tell which copies it would clobber."""
+        for tiers, every_id in zip(self.groups, self._every_id, strict=True):
             tiers.transfers.run_copy_outs(every_id)
-        for tiers, every_id in zip(self.groups, written, strict=True):
+
+    def before_step(self, written_block_ids: Callable[[], Collection[int]] = frozenset) -> None:
+        """Every group's copy-outs, then the rest (`written_block_ids` unused: see
+        `run_copy_outs`)."""
+        self.run_copy_outs()
+        for tiers, every_id in zip(self.groups, self._every_id, strict=True):
             tiers.before_step(every_id)
 
     def step_ended(self, next_step: int) -> None:
