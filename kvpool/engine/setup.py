@@ -153,7 +153,7 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     groups = kv_groups(layout, [spec.sliding_window for spec in model_config.layer_specs],
                        max_model_len=max_model_len)
     if len(groups) > 1 or groups[0].window is not None:
-        why_not = _why_not_hybrid(config, device)
+        why_not = _why_not_hybrid(config)
         if why_not is None:
             kv_memory = HybridKVMemory(layout, groups, num_blocks * layout.bytes_per_block,
                                        device, enable_prefix_caching=cache.enable_prefix_caching,
@@ -179,15 +179,13 @@ def _assemble_parts(config: EngineConfig, loaded: LoadedModel, device: torch.dev
                        max_model_len, kv_memory, _sampling_defaults(config.load, loaded))
 
 
-def _why_not_hybrid(config: EngineConfig, device: torch.device) -> str | None:
+def _why_not_hybrid(config: EngineConfig) -> str | None:
     """Why sliding-window layers must keep every block here, or None (vLLM, too, turns its
-    hybrid manager off for what it cannot serve). The elastic pool and CUDA graphs hold one
-    group of KV so far."""
+    hybrid manager off for what it cannot serve). The elastic pool grows and shrinks a
+    one-layout pool."""
     reasons = {
         "--disable-hybrid-kv-cache-manager": config.cache.disable_hybrid_kv_cache_manager,
         "--kv-pool elastic": config.cache.kv_pool != "static",
-        "CUDA graphs (--enforce-eager lifts it)": (device.type == "cuda"
-                                                  and not config.load.enforce_eager),
     }
     return next((reason for reason, applies in reasons.items() if applies), None)
 

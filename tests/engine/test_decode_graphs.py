@@ -102,9 +102,9 @@ def decode_side_by_side(parts, padded_plan: DecodePlan, batch_sizes: list[int]):
         size = padded_plan.batch_size_for(num_seqs) if step else None  # step 0: the prefill
         if size is not None:  # the padding rows, as padded_decode's table says
             buffers = padded.padded
-            assert not buffers.block_tables[num_seqs:size].any()
+            assert not buffers.block_tables[0][num_seqs:size].any()
             assert buffers.seq_lens[num_seqs:size].eq(1).all()
-            assert buffers.slot_mapping[num_seqs:size].eq(PAD_SLOT_ID).all()
+            assert buffers.slot_mappings[0][num_seqs:size].eq(PAD_SLOT_ID).all()
         for name, rows in logits.items():
             tokens[name].append(rows.argmax(dim=-1).tolist())
         next_ids = tokens["eager"][-1]
@@ -179,6 +179,53 @@ def test_engine_with_padded_decode_generates_the_eager_engines_tokens(parts):
     actual, engine = generate(padded=True)
     assert actual == expected
     assert engine.runner.num_padded_steps > 0
+
+
+def generate_hybrid(checkpoint, runner: str | None) -> tuple[list[list[int]], object]:
+    """Greedy tokens of a Gemma-3-style checkpoint with the hybrid manager on, on the triton
+    backend, with the eager runner (None) or a padded one run "eager" or "captured"."""
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.sampling_params import SamplingParams
+    from kvpool.memory.hybrid_memory import HybridKVMemory
+
+    config = EngineConfig(model=str(checkpoint), dtype="float32", device=DEVICE,
+                          attention_backend="triton", block_size=4, num_gpu_blocks=60,
+                          max_model_len=128, enable_warmup=False, max_num_seqs=4,
+                          enforce_eager=True)
+    engine = LLMEngine(config, build_engine_parts(config))
+    assert isinstance(engine.kv_memory, HybridKVMemory)
+    if runner is not None:
+        make = DecodeGraphRunner.eager if runner == "eager" else DecodeGraphRunner.capture
+        engine.runner = make(engine.parts.model, engine.kv_memory.kv_cache, DEVICE,
+                             DecodePlan((2, 4), 128, engine.parts.model_config.vocab_size))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request([*prompt, *prompt], params).request_id for prompt in PROMPTS]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = list(output.outputs[0].token_ids)
+    return [finals[request_id] for request_id in ids], engine
+
+
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(tmp_path_factory):
+    from tests.model.test_architectures import save_tiny
+
+    directory = tmp_path_factory.mktemp("gemma3_graphs")
+    save_tiny(directory, "gemma3_text")  # window 8: a decode drops blocks as it goes
+    return directory
+
+
+def test_padded_decode_serves_a_hybrid_pools_groups(gemma3_checkpoint):
+    """The hybrid manager on: each KV cache group's slot mapping and block tables padded
+    apart; the engine's tokens equal the eager engine's, the windows' dropped blocks null in
+    their tables."""
+    expected, _ = generate_hybrid(gemma3_checkpoint, None)
+    actual, engine = generate_hybrid(gemma3_checkpoint, "eager")
+    assert actual == expected
+    assert engine.runner.num_padded_steps > 0
+    assert len(engine.runner.padded.block_tables) == len(engine.kv_memory.groups) == 2
 
 
 # ---------------------------------------------------------------- which engines capture
@@ -278,3 +325,11 @@ def test_gpu_graphed_greedy_generation_equals_enforce_eager():
     assert isinstance(runner, DecodeGraphRunner) and runner.num_padded_steps > 0
     assert runner.padded.plan.batch_sizes == (1, 2, 4, 8)
     assert actual == expected
+
+
+@gpu
+def test_gpu_replay_serves_a_hybrid_pools_groups(gemma3_checkpoint):
+    """Captured graphs over a hybrid pool's group views give the eager engine's tokens."""
+    expected, _ = generate_hybrid(gemma3_checkpoint, None)
+    actual, engine = generate_hybrid(gemma3_checkpoint, "captured")
+    assert actual == expected and engine.runner.num_padded_steps > 0
