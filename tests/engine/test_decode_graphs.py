@@ -22,6 +22,7 @@ from tests.attention.triton_interpreter import (
     IS_INTERPRETED,
     import_kernels_for_the_interpreter,
 )
+from tests.engine.conftest import run_all, token_ids
 
 if IS_INTERPRETED:
     import_kernels_for_the_interpreter()
@@ -167,13 +168,7 @@ def test_engine_with_padded_decode_generates_the_eager_engines_tokens(parts):
             engine.runner = DecodeGraphRunner.eager(engine.parts.model, engine.kv_memory.kv_cache,
                                                     DEVICE, plan(engine.parts, (2, 4)))
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        ids = [engine.add_request(prompt, params).request_id for prompt in PROMPTS]
-        finals = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    finals[output.request_id] = list(output.outputs[0].token_ids)
-        return [finals[request_id] for request_id in ids], engine
+        return token_ids(run_all(engine, PROMPTS, params)), engine
 
     expected, _ = generate(padded=False)
     actual, engine = generate(padded=True)
@@ -199,13 +194,7 @@ def generate_hybrid(checkpoint, runner: str | None) -> tuple[list[list[int]], ob
         engine.runner = make(engine.parts.model, engine.kv_memory.kv_cache, DEVICE,
                              DecodePlan((2, 4), 128, engine.parts.model_config.vocab_size))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ids = [engine.add_request([*prompt, *prompt], params).request_id for prompt in PROMPTS]
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = list(output.outputs[0].token_ids)
-    return [finals[request_id] for request_id in ids], engine
+    return token_ids(run_all(engine, [[*prompt, *prompt] for prompt in PROMPTS], params)), engine
 
 
 @pytest.fixture(scope="module")
