@@ -19,9 +19,11 @@ Wire format (vLLM's `vllm.distributed.kv_events`): every message has three frame
 
 Block hashes are `kvpool.memory.prefix_cache`'s 32-byte salted chain; `medium` names the tier
 ("device" or "host"), and for a hybrid model's KV cache groups past the first
-(`kvpool.memory.kv_groups`) the group too: "device/g1", "host/g1" (`group_medium`). Each group
+(`kvpool.memory.kv_groups`) the group too: "device/g1", "host/g1"
+(`kvpool.formats.kv_media.group_medium`). Each group
 caches the same prefix's blocks under the same hashes; a consumer that places prompts reads the
-first group's (`split_medium`), the full-attention layers', whose blocks a hit needs all of. A
+first group's (`kv_media.split_medium`), the full-attention layers', whose blocks a hit needs
+all of. A
 one-group engine's messages are vLLM's byte for byte, and a consumer that knows nothing of
 groups sees one more medium per group. A BlockStored carries a run of chained blocks of one medium:
 `parent_block_hash` is the parent of the run's first block (None for a prompt's first block,
@@ -44,7 +46,7 @@ import msgspec
 from kvpool.memory.block_pool import DEVICE, HOST
 
 __all__ = ["DEVICE", "HOST", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventSnapshot",
-           "KVEventBatch", "decode_message", "encode_message", "group_medium", "split_medium"]
+           "KVEventBatch", "decode_message", "encode_message"]
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -77,19 +79,6 @@ class AllBlocksCleared(KVCacheEvent):
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-def group_medium(medium: str, group: int) -> str:
-    """The medium events name for `medium`'s pool of KV cache group `group` (module
-    docstring): the medium itself for the first group."""
-    return f"{medium}/g{group}" if group else medium
-
-
-def split_medium(medium: str) -> tuple[str, int]:
-    """(medium, group) of an event's medium (`group_medium`'s inverse; a medium with no
-    group part is the first group's)."""
-    base, sep, group = medium.rpartition("/g")
-    return (base, int(group)) if sep and group.isdigit() else (medium, 0)
 
 
 def encode_message(topic: str, seq: int, batch: KVEventBatch) -> list[bytes]:

@@ -25,7 +25,7 @@ of consecutive ids with equal (state, ref_count, filled slots, holders), not one
      "time": unix seconds, "step": engine steps since start-up,
      "pools": {"device": POOL, "host": POOL (only with a host tier),
                "device/g1": POOL, "host/g1": POOL, ...},  a hybrid model's other KV cache
-                                                       groups (`kv_events.group_medium`)
+                                                       groups (`kv_media.group_medium`)
      "disk": {"num_blocks": n, "num_bytes": b} or null,
      "shared": {"is_up": 0 or 1, "num_stored_blocks": n, "num_loaded_blocks": n} or null,
      "sequences": [{"request_id": "req-3", "index": 0, "status": "running",

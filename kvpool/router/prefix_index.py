@@ -23,13 +23,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvpool.formats.kv_events import (
-    DEVICE,
-    AllBlocksCleared,
-    BlockStored,
-    KVEventBatch,
-    split_medium,
-)
+from kvpool.formats.kv_events import DEVICE, AllBlocksCleared, BlockStored, KVEventBatch
+from kvpool.formats.kv_media import split_medium
 
 
 class PrefixIndex:

@@ -16,7 +16,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import LLMEngine
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.setup import build_engine_parts
-from kvpool.formats.kv_events import group_medium
+from kvpool.formats.kv_media import group_medium
 from kvpool.formats.kv_snapshot import KVSnapshot
 from kvpool.memory.block_pool import NULL_BLOCK_ID
 from kvpool.memory.hybrid_memory import HybridKVMemory

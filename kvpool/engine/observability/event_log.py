@@ -4,7 +4,7 @@
 (`kvpool.memory.kv_listener`) on the pool's fan-out: every block published into its prefix
 cache, every hashed block evicted (for reuse, by an elastic shrink, or taken by another group of
 a hybrid pool) and every reset, each under the medium events name the pool by (its medium and
-KV cache group: `kvpool.formats.kv_events.group_medium`). The first pool attached (the device's
+KV cache group: `kvpool.formats.kv_media.group_medium`). The first pool attached (the device's
 first group) brings the step's end too, when the batch is drained.
 Invariants:
 - `seq` is the number of non-empty batches drained: 1 for the first, per engine.
@@ -30,8 +30,8 @@ from kvpool.formats.kv_events import (
     BlockStored,
     EventSnapshot,
     KVEventBatch,
-    group_medium,
 )
+from kvpool.formats.kv_media import group_medium
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.kv_listener import KVListener
 from kvpool.memory.prefix_cache import BlockHash, CachedBlock

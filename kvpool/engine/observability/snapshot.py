@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvpool.engine.sequence import Request, Sequence, SequenceStatus
-from kvpool.formats.kv_events import group_medium
+from kvpool.formats.kv_media import group_medium
 from kvpool.formats.kv_snapshot import (
     USED,
     DerivedFigures,

@@ -21,9 +21,8 @@ from kvpool.formats.kv_events import (
     KVEventBatch,
     decode_message,
     encode_message,
-    group_medium,
-    split_medium,
 )
+from kvpool.formats.kv_media import group_medium, split_medium
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.kv_layout import KVLayout
 from kvpool.memory.kv_memory import KVMemory
