@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.cli.args import add_engine_args, engine_config_from_args, parse_size
 from kvpool.cli.serve_vllm_flags import add_vllm_serve_args, cors_config_from_args, resolve_model
+from kvpool.openai.reasoning import reasoning_parser_names
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
@@ -109,6 +110,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="how tool calls are read from the model's output (default hermes)",
     )
     group.add_argument(
+        "--reasoning-parser", default=None, choices=reasoning_parser_names(),
+        help="split a reasoning model's <think>...</think> into reasoning_content "
+             "(vLLM's names; default: none)",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice", action="store_true",
         help="accepted for vLLM command lines: tool_choice auto is always on",
     )
@@ -143,6 +149,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         tenant_salts=TenantSalts.resolve(args.cache_salt_secret_file, args.kv_disk_cache),
         max_logprobs=args.max_logprobs,
         cors=cors_config_from_args(args),

@@ -18,10 +18,12 @@ from typing import Any
 from kvpool.openai.errors import bad_request
 from kvpool.openai.prompts import chat_prompt
 from kvpool.openai.protocol import ChatCompletionRequest
-from kvpool.openai.structured import compile_constraint, request_constraint
+from kvpool.openai.reasoning import ThinkingFirst, get_reasoning_parser
+from kvpool.openai.structured import Constraint, compile_constraint, request_constraint
 from kvpool.openai.tools import get_tool_parser
-from kvpool.openai.tools.choice import compile_tool_constraint
+from kvpool.openai.tools.choice import ToolPlan, compile_tool_constraint
 from kvpool.openai.tools.output import output_parser
+from kvpool.openai.tools.parser import ToolParser
 from kvpool.server.config import ServerConfig
 from kvpool.server.inputs import (
     EngineInputs,
@@ -73,7 +75,24 @@ def chat_inputs(
         structured_outputs=None if chosen is None else chosen.spec, **extra,
     )
     return EngineInputs([prompt], [params], request.priority, tool_plan=plan,
-                        output_parser=output_parser(plan, parser))
+                        output_parser=_reader(config, plan, parser, constraint))
+
+
+def _reader(config: ServerConfig, plan: ToolPlan, parser: ToolParser,
+            constraint: Constraint | None) -> ToolParser:
+    """How the output is read: the tool plan's reader, after the thinking is split off when a
+    reasoning parser is on and the output may think. A grammar holds the output from its
+    first token (applying it after the thinking is not built yet), so a tool choice's calls
+    never think, and nor does a constrained output under a parser whose output starts inside
+    the thinking (deepseek_r1); a qwen3 output thinks if the grammar lets it open with
+    <think>."""
+    reader = output_parser(plan, parser)
+    if config.reasoning_parser is None or plan.constraint is not None:
+        return reader
+    reasoning = get_reasoning_parser(config.reasoning_parser)
+    if constraint is not None and reasoning.starts_thinking:
+        return reader
+    return ThinkingFirst(reasoning, reader)
 
 
 def _logprobs(request: ChatCompletionRequest, config: ServerConfig) -> int | None:

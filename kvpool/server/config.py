@@ -57,6 +57,7 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0
     chat_template: str | None = None  # Jinja text replacing the model's (--chat-template)
     tool_call_parser: str = "hermes"  # how tool calls are read from output (--tool-call-parser)
+    reasoning_parser: str | None = None  # how thinking is split off (--reasoning-parser)
     tenant_salts: TenantSalts = field(default_factory=TenantSalts.resolve, repr=False)
     cors: CorsConfig = field(default_factory=CorsConfig)  # browsers' cross-origin access
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (as vLLM's flag)
@@ -93,6 +94,11 @@ class ServerConfig:
         if self.tool_call_parser not in tool_parser_names():
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} (known: "
                              f"{', '.join(tool_parser_names())})")
+        from kvpool.openai.reasoning import reasoning_parser_names
+
+        if self.reasoning_parser not in (None, *reasoning_parser_names()):
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r} (known: "
+                             f"{', '.join(reasoning_parser_names())})")
         if any(tenant == ADMIN_TENANT for tenant, _ in self.api_keys.entries):
             raise ValueError(f"tenant name {ADMIN_TENANT!r} is reserved for --admin-api-key")
         if any(tenant != ADMIN_TENANT for tenant, _ in self.admin_api_keys.entries):

@@ -210,11 +210,14 @@ def chat_message(completion: CompletionOutput, inputs: EngineInputs
                  ) -> tuple[AssistantMessage, str | None]:
     """The assistant's message (content and tool calls) and the choice's finish reason."""
     assert inputs.output_parser is not None and inputs.tool_plan is not None
-    content, calls = inputs.output_parser.extract(completion.text)
+    parsed = inputs.output_parser.read(completion.text)
+    calls, reasoning = parsed.calls, parsed.reasoning
     reason = finish_reason(inputs.tool_plan, len(calls), completion.finish_reason)
     if not calls:
-        return AssistantMessage(content=completion.text), reason
+        content = completion.text if reasoning is None else parsed.content
+        return AssistantMessage(content=content, reasoning_content=reasoning), reason
     tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=call.name,
                                                                     arguments=call.arguments))
                   for call in calls]
-    return AssistantMessage(content=content, tool_calls=tool_calls), reason
+    return AssistantMessage(content=parsed.content, tool_calls=tool_calls,
+                            reasoning_content=reasoning), reason

@@ -170,10 +170,14 @@ class ChatStreamer:
             tail = reader.finish()
             piece.content += tail.content
             piece.calls += tail.calls
+            piece.reasoning += tail.reasoning
         calls = [self._tool_delta(index, delta) for delta in piece.calls]
-        content = piece.content if piece.content or not (is_done or calls) else None
-        deltas = [ChatDelta(content=content)] if content is not None or not calls else []
-        deltas += [ChatDelta(tool_calls=[call]) for call in calls]
+        thinking = [ChatDelta(reasoning_content=piece.reasoning)] if piece.reasoning else []
+        content = piece.content if piece.content or not (is_done or calls or thinking) else None
+        deltas = [ChatDelta(content=content)] if content is not None else []
+        deltas = thinking + deltas + [ChatDelta(tool_calls=[call]) for call in calls]
+        if not deltas:
+            deltas = [ChatDelta()]  # a last chunk with nothing new: it carries the finish
         reason = None
         if is_done:
             assert self.inputs.tool_plan is not None

@@ -35,10 +35,21 @@ class ToolCallDelta:
 
 @dataclass(slots=True)
 class StreamPiece:
-    """What one piece of output text adds: content for the user, and tool-call pieces."""
+    """What one piece of output text adds: content for the user, tool-call pieces, and
+    thinking (`kvpool.openai.reasoning`, with a reasoning parser)."""
 
     content: str = ""
     calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    """A whole output read: its thinking (None: none), content (None: none) and calls."""
+
+    reasoning: str | None
+    content: str | None
+    calls: list[ParsedToolCall]
 
 
 class ToolCallStreamer(ABC):
@@ -70,12 +81,24 @@ class ToolParser(ABC):
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content, calls) of a whole output; content None when there is none."""
+        parsed = self.read(text)
+        return parsed.content, parsed.calls
+
+    def read(self, text: str) -> ParsedOutput:
+        """A whole output's thinking, content and calls."""
         streamer = self.streamer()
-        return assemble([streamer.feed(text), streamer.finish()])
+        return read_pieces([streamer.feed(text), streamer.finish()])
 
 
 def assemble(pieces: list[StreamPiece]) -> tuple[str | None, list[ParsedToolCall]]:
     """What a sequence of stream pieces amounts to: the content and the whole calls."""
+    parsed = read_pieces(pieces)
+    return parsed.content, parsed.calls
+
+
+def read_pieces(pieces: list[StreamPiece]) -> ParsedOutput:
+    """What a sequence of stream pieces amounts to: thinking, content and the whole calls."""
+    reasoning = "".join(piece.reasoning for piece in pieces)
     content = "".join(piece.content for piece in pieces)
     names: dict[int, str] = {}
     arguments: dict[int, str] = {}
@@ -84,7 +107,7 @@ def assemble(pieces: list[StreamPiece]) -> tuple[str | None, list[ParsedToolCall
             names[delta.index] = delta.name
         arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
     calls = [ParsedToolCall(names[index], arguments[index]) for index in sorted(names)]
-    return content or None, calls
+    return ParsedOutput(reasoning or None, content or None, calls)
 
 
 _PARSERS: dict[str, type[ToolParser]] = {}
