@@ -80,7 +80,7 @@ class LLMEngine:
         self.parts = parts = parts or build_engine_parts(config)
         self.runner = make_runner(parts, config)
         self.intake = RequestIntake(parts.tokenizer, parts.model_config, parts.max_model_len,
-                                    config.scheduling.max_num_seqs, parts.kv_memory, parts.device)
+                                    config.scheduling, parts.kv_memory, parts.device)
         self.outputs = OutputProcessor(parts.tokenizer, self.eos_token_ids, parts.max_model_len)
         self.scheduler = Scheduler(
             self._scheduler_config(), self._kv_manager(), stop_checker=self.outputs,

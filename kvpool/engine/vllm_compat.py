@@ -93,9 +93,6 @@ VLLM_ARGS: tuple[VLLMArg, ...] = (
             bool),
     VLLMArg("prefix_caching_hash_algo", None, "kvpool's prefix cache keys blocks by SHA-256 and "
             "compares their token ids on a hit; the hash changes no output", flag=str),
-    VLLMArg("scheduling_policy", ("fcfs", "priority"), "kvpool's waiting queue orders by "
-            "priority, then arrival: first come, first served while priorities are 0",
-            "scheduling_policy must be 'fcfs' or 'priority' (kvpool's queue is both)", str),
     # Logging.
     VLLMArg("disable_log_stats", None, "kvpool logs no periodic statistics (engine.stats() "
             "has them)", flag=bool),

@@ -85,6 +85,36 @@ def test_priority_orders_the_waiting_queue(tiny_dir):
         one_at_a_time.generate(prompts, _greedy(3), priority=[0, 1], use_tqdm=False)
 
 
+def test_a_low_priority_request_waits_while_higher_ones_keep_coming(tiny_dir):
+    """No aging (vLLM's rule): one seat, a priority-5 request first, then priority-0 ones
+    arriving while each runs; the low one is served only when none of them waits."""
+    from kvpool.engine.sampling_params import SamplingParams
+
+    engine = LLM(str(tiny_dir), **SMALL, max_num_seqs=1).engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request([5, 6, 7], params, request_id="low", priority=5)
+    engine.add_request([8, 9], params, request_id="high-0")
+    finished, arrivals = [], iter(range(1, 4))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished.append(output.request_id)
+                index = next(arrivals, None)  # another urgent one as each ends
+                if index is not None:
+                    engine.add_request([8, 9, index], params, request_id=f"high-{index}")
+    assert finished == ["high-0", "high-1", "high-2", "high-3", "low"]
+
+
+def test_fcfs_serves_by_arrival_and_refuses_a_priority(tiny_dir):
+    fcfs = LLM(str(tiny_dir), **SMALL, max_num_seqs=1, scheduling_policy="fcfs")
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    outputs = fcfs.generate(prompts, _greedy(3), use_tqdm=False)
+    assert outputs[0].metrics.finish_time < outputs[1].metrics.finish_time
+    with pytest.raises(ValueError, match="priority 1 needs scheduling_policy 'priority'"):
+        fcfs.generate(prompts, _greedy(3), priority=[0, 1], use_tqdm=False)
+    assert not fcfs.engine.has_unfinished_requests()  # nothing of the refused batch is left
+
+
 # ------------------------------------------------------------------ chat
 def test_chat_takes_a_template_its_kwargs_and_tools(make_engine):
     llm = LLM.from_engine(make_engine(kv_cache_memory=16 << 20, enable_warmup=False))

@@ -287,6 +287,19 @@ def test_priority_is_accepted_and_changes_no_text(server) -> None:
     assert urgent.choices[0].text == plain.choices[0].text
 
 
+def test_a_priority_under_fcfs_is_a_400_naming_it(make_server) -> None:
+    server = make_server(scheduling_policy="fcfs")
+    with server.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                      "max_tokens": 2, "priority": 3})
+        assert response.status_code == 400, response.text[:300]
+        error = response.json()["error"]
+        assert error["param"] == "priority" and "scheduling_policy" in error["message"]
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                "max_tokens": 2, "priority": 0})
+        assert ok.status_code == 200
+
+
 def test_allowed_token_ids_and_skip_special_tokens(server, smollm2) -> None:
     """Only <|im_start|> may be sampled: skipped from the text by default, shown with
     skip_special_tokens false."""

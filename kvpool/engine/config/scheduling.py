@@ -12,6 +12,7 @@ from kvpool.engine.config.speculative import SpeculativeConfig
 
 DEFAULT_CHUNKED_BATCHED_TOKENS = 1024
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,11 @@ class SchedulingConfig:
     "swap" (copied to the host tier, back on resumption), or "auto" (per victim, whichever the
     measured copy and prefill rates say is cheaper; recompute without a host tier).
     `max_num_batched_tokens` None: `batched_tokens_limit` picks it. `speculative_config` is
-    given as vLLM's dict and kept as the checked `SpeculativeConfig` (None: no speculation)."""
+    given as vLLM's dict and kept as the checked `SpeculativeConfig` (None: no speculation).
+    `scheduling_policy` (vLLM's name): "priority" serves lower `priority` values first, then
+    earlier arrivals, and preempts the lowest priority first; "fcfs" serves by arrival and
+    refuses a non-zero priority, as vLLM does. kvpool's default is "priority" (vLLM's is
+    "fcfs"): with every priority 0 the two are the same order."""
 
     TITLE: ClassVar[str] = "scheduling"
 
@@ -31,6 +36,10 @@ class SchedulingConfig:
         "auto", "what a preempted sequence's KV becomes: recompute (dropped), swap (to the "
         "host tier and back), auto (the cheaper of the two per victim, by measured copy and "
         "prefill rates)", choices=PREEMPTION_MODES)
+    scheduling_policy: str = option(
+        "priority", "priority: lower request priority first, then arrival (and the lowest "
+        "priority preempted first); fcfs: arrival only, a non-zero priority is refused",
+        choices=SCHEDULING_POLICIES)
     speculative_config: SpeculativeConfig | None = option(
         None, "speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'",
@@ -44,6 +53,9 @@ class SchedulingConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
 
     def batched_tokens_limit(self, max_model_len: int) -> int:
         """Tokens per step: a chunk size with chunked prefill, else room for a whole prompt."""

@@ -42,6 +42,7 @@ from kvpool.memory.kv_memory import KVMemory
 from kvpool.memory.prefix_cache import BlockHash, hash_full_blocks
 
 if TYPE_CHECKING:
+    from kvpool.engine.config.scheduling import SchedulingConfig
     from kvpool.model.config import ModelConfig
     from kvpool.model.tokenizer import Tokenizer
 
@@ -52,13 +53,14 @@ class RequestIntake:
     """Tokenizes, validates and prepares requests for one engine's model and KV memory."""
 
     def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig,
-                 max_model_len: int, max_num_seqs: int, kv_memory: KVMemory,
+                 max_model_len: int, scheduling: SchedulingConfig, kv_memory: KVMemory,
                  device: torch.device) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
         self.prompt_limits = PromptLimits.for_tokenizer(tokenizer, max_model_len)
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = scheduling.max_num_seqs
+        self.takes_priority = scheduling.scheduling_policy == "priority"
         self.kv_memory = kv_memory
         self.device = device
         eos_ids = tokenizer.eos_token_ids if tokenizer else ()
@@ -83,6 +85,10 @@ class RequestIntake:
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in ids_in_use:
             raise InvalidRequestError("the request id is already in use", "request_id")
+        if priority and not self.takes_priority:
+            raise InvalidRequestError(
+                f"priority {priority} needs scheduling_policy 'priority' (this engine serves "
+                "first come, first served)", "priority")
         self.validate(token_ids, params)
         salt = cache_salt_key(cache_salt)
         request = Request(request_id, prompt_text, token_ids, params, time.monotonic(), salt,
