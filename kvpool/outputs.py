@@ -1,7 +1,7 @@
 """vLLM's import path for output records (`from vllm.outputs import RequestOutput, ...`). The
-classes live in `kvpool.engine.requests.outputs` and `kvpool.engine.beam_search`."""
+classes live in `kvpool.engine.requests.outputs` and `kvpool.engine.beams`."""
 
-from kvpool.engine.beam_search import BeamSearchOutput, BeamSearchSequence
+from kvpool.engine.beams import BeamSearchOutput, BeamSearchSequence
 from kvpool.engine.requests.outputs import (
     CompletionOutput,
     Logprob,

@@ -292,10 +292,12 @@ class KVCacheManager:
     def preempt(self, seq: Sequence) -> str:
         """Take a running sequence's KV off the device; returns what became of it, "swap"
         (copied to host blocks it owns) or "recompute" (dropped; computed again when
-        re-admitted, its full blocks kept in the prefix caches meanwhile)."""
+        re-admitted, its full blocks kept in the prefix caches meanwhile). A sequence with
+        nothing left to compute (a beam waiting for its round) is dropped: swapped back in, it
+        would be admitted with no token to compute."""
         table = seq.block_table
         kind = RECOMPUTE
-        if self.tiers.has_host and seq.num_computed_tokens:
+        if self.tiers.has_host and 0 < seq.num_computed_tokens < seq.num_tokens:
             kind = self.policy.choose(table.num_blocks, seq.num_computed_tokens)
         swapped = self.memory.swap_out(table) if kind == SWAP else None
         self.listeners.sequence_preempted(seq.request.request_id, seq.index,

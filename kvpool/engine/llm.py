@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kvpool.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from kvpool.engine.beams import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from kvpool.engine.chat_prompts import as_conversations, chat_prompts
 from kvpool.engine.engine import LLMEngine, PromptInput
 from kvpool.engine.memory_stats import MemoryStats
@@ -130,15 +130,14 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """The `params.beam_width` best beams of each prompt (text, token ids, or a
-        TextPrompt / TokensPrompt dict), best first (`kvpool.engine.beam_search`)."""
-        prompt_ids = [self.engine.intake.tokenize(prompt)[1] for prompt in prompts]
-
-        def run_step(token_ids: list[list[int]], step_params: SamplingParams):
-            return self.generate(token_ids, step_params, use_tqdm=use_tqdm)
-
-        tokenizer = self.engine.tokenizer
-        decode = (lambda ids: "") if tokenizer is None else tokenizer.decode
-        return beam_search(prompt_ids, params, run_step, decode, self.engine.eos_token_ids)
+        TextPrompt / TokensPrompt dict), best first. The beams run in the engine as forks of
+        one sequence in the block pool (`kvpool.engine.beams`)."""
+        outputs = self.generate(list(prompts), params.sampling_params(), use_tqdm=use_tqdm)
+        return [BeamSearchOutput([
+            BeamSearchSequence(output.prompt_token_ids + list(beam.token_ids),
+                               beam.logprobs or [], beam.cumulative_logprob or 0.0, beam.text,
+                               beam.finish_reason, beam.stop_reason)
+            for beam in output.outputs]) for output in outputs]
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges as vLLM's metric records, vLLM-named

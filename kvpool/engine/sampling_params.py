@@ -68,6 +68,9 @@ class SamplingParams:
     grammar; `include_stop_str_in_output` keeps the stop string that ended the text;
     `prompt_logprobs=k` returns each prompt token's log probability and the k most likely
     alternatives at its position. `stop=None`, `stop_token_ids=None` and `seed=-1` mean none.
+    `use_beam_search` searches `best_of` (default n) beams and returns the n best, ranked by
+    cumulative log probability over length ** `length_penalty` (`kvpool.engine.beams`); it is
+    greedy, so it takes no temperature, stop strings, min_tokens, penalties or constraints.
 
     Fields may be changed after construction (as in vLLM); the change is checked when the
     params are used (`validated_copy`, run by the engine when it takes the request).
@@ -96,6 +99,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Beam search (vLLM's earlier SamplingParams fields; /v1/completions still takes them).
+    use_beam_search: bool = False
+    best_of: int | None = None  # beams searched (default n); the n best come back
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -129,6 +136,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.use_beam_search:  # a round ranks each beam's 2 * width likeliest tokens
+            self.logprobs = max(self.logprobs or 0, 2 * self.beam_width)
 
     def _check_sizes(self) -> None:
         """The size caps, checked by length alone (nothing walks the values first)."""
@@ -179,6 +188,7 @@ class SamplingParams:
                 "must be a RequestOutputKind",
             ),
             *self._extension_checks(),
+            *self._beam_checks(),
         ]
         for param, is_valid, rule in checks:
             if not is_valid:
@@ -211,6 +221,32 @@ class SamplingParams:
                 "must be a StructuredOutputsParams",
             ),
         ]
+
+    def _beam_checks(self) -> list[tuple[str, bool, str]]:
+        best_of = self.best_of
+        if not self.use_beam_search:
+            return [("best_of", best_of is None or best_of == self.n,
+                     "must equal n unless use_beam_search (samples are not ranked)"),
+                    ("length_penalty", self.length_penalty == 1.0, "needs use_beam_search")]
+        return [
+            ("best_of", best_of is None or best_of >= self.n, "must be at least n"),
+            ("length_penalty", math.isfinite(self.length_penalty), "must be finite"),
+            ("temperature", self.is_greedy, "must be 0 with use_beam_search"),
+            ("stop", not self.stop, "is not supported with use_beam_search"),
+            ("min_tokens", self.min_tokens == 0, "is not supported with use_beam_search"),
+            ("structured_outputs", self.structured_outputs is None,
+             "is not supported with use_beam_search"),
+            ("repetition_penalty", not self.has_penalties,
+             "penalties are not supported with use_beam_search"),
+            ("logit_bias", not (self.logit_bias or self.allowed_token_ids or self.bad_words),
+             "(and allowed_token_ids, bad_words) is not supported with use_beam_search: "
+             "beams rank the model's raw distribution"),
+        ]
+
+    @property
+    def beam_width(self) -> int:
+        """Beams searched at once (beam search only)."""
+        return self.best_of or self.n
 
     @property
     def is_greedy(self) -> bool:

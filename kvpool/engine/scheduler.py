@@ -51,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpool.engine.beams.group import Child
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.preemption import HYSTERESIS_STEPS, RECOMPUTE
 from kvpool.engine.requests.outputs import Logprob
@@ -94,6 +95,7 @@ class Scheduler:
         self.speculator = speculator or NoSpeculation()
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
+        self.sleeping: set[Sequence] = set()  # beams whose KV went while they awaited a round
         self.reset_counters()
         self._seq_ids = itertools.count()
         self._num_schedules = 0
@@ -143,6 +145,7 @@ class Scheduler:
         token_budget = self._schedule_running(self.config.max_num_batched_tokens, output)
         if not output.preempted:
             token_budget = self._schedule_waiting(token_budget, output)
+            token_budget = self._make_room_for_waiting_beams(token_budget, output)
         self._add_drafts(token_budget, output)
         return output
 
@@ -164,6 +167,9 @@ class Scheduler:
             and len(output.chunks) < self.config.max_num_seqs
         ):
             seq = self.running[index]
+            if not seq.num_uncomputed_tokens:  # a beam waiting for its round's other beams
+                index += 1
+                continue
             start = seq.num_computed_tokens
             token_ids = seq.token_ids(start, start + min(seq.num_uncomputed_tokens, token_budget))
             copies = self._reserve_slots(seq, token_ids, output)
@@ -174,6 +180,30 @@ class Scheduler:
             token_budget -= len(token_ids)
             index += 1
         return token_budget
+
+    def _make_room_for_waiting_beams(self, token_budget: int, output: SchedulerOutput) -> int:
+        """A step with nothing to run while beams wait for their round and their siblings
+        wait for room: the waiting beams give their KV up (lowest priority first; each keeps
+        its row, so it is computed again only if re-admitted before the round) until a
+        waiting sequence is admitted. Without this, parked beams could hold the pool forever."""
+        while not output.chunks and len(self.waiting) > 0:
+            parked = [seq for seq in self.running if not seq.num_uncomputed_tokens]
+            if not parked:
+                break
+            self._put_to_sleep(parked[-1], output)
+            token_budget = self._schedule_waiting(token_budget, output)
+        return token_budget
+
+    def _put_to_sleep(self, seq: Sequence, output: SchedulerOutput) -> None:
+        """A parked beam gives its KV up and sleeps until its round: outside both queues (so
+        it is not re-admitted to compute the row it has), queued again with its new token."""
+        self.num_preemptions += 1
+        self.num_recomputed_tokens += seq.num_computed_tokens
+        self.kv.preempt(seq)  # dropped, never swapped: it has nothing left to compute
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self.sleeping.add(seq)
+        output.preempted.append(seq)
 
     def _chunk(self, seq: Sequence, token_ids: list[int]) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -272,11 +302,24 @@ class Scheduler:
                 self._verify(chunk, [next(rows) for _ in range(chunk.num_sampling_rows)])
             elif chunk.num_samples:
                 for seq in self._fork_siblings(chunk):
-                    self._append(seq, *next(rows))
+                    self._take_row(seq, *next(rows))
             if chunk.num_samples:
                 touched[chunk.seq.request.request_id] = chunk.seq.request
         assert next(rows, None) is None, "more sampled rows than sequences"
+        for request in touched.values():
+            if request.beams is not None:
+                self._run_beam_round(request)
         return list(touched.values())
+
+    def _take_row(self, seq: Sequence, token_id: int,
+                  logprobs: dict[int, Logprob] | None) -> None:
+        """A sampled row: its token joins `seq`, or, for a beam, the row waits for the
+        round (`_run_beam_round`)."""
+        if seq.request.beams is None:
+            self._append(seq, token_id, logprobs)
+        else:
+            assert logprobs is not None, "a beam's row carries its candidates"
+            seq.request.beams.offer(seq, logprobs)
 
     def _verify(self, chunk: ScheduledChunk,
                 rows: list[tuple[int, dict[int, Logprob] | None]]) -> None:
@@ -299,15 +342,49 @@ class Scheduler:
         sharing every block until one writes (copy-on-write)."""
         parent = chunk.seq
         family = [parent]
-        request = parent.request
-        while request.needs_fork and len(family) < chunk.num_samples:
-            child = self._new_sequence(request, len(request.sequences),
-                                       self.kv.fork(parent), list(parent.block_hashes))
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.output_token_ids = list(parent.output_token_ids)
-            self._add_running(child)
-            family.append(child)
+        while parent.request.needs_fork and len(family) < chunk.num_samples:
+            family.append(self._fork(parent))
         return family
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        """A sibling of `parent` with its tokens: running and sharing all its blocks, or,
+        for a beam whose KV was dropped while it waited for its round, waiting with none."""
+        request = parent.request
+        child = self._new_sequence(request, len(request.sequences), self.kv.fork(parent),
+                                   list(parent.block_hashes))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.output_token_ids = list(parent.output_token_ids)
+        if parent.status is SequenceStatus.RUNNING:
+            self._add_running(child)
+        else:
+            child.status = SequenceStatus.WAITING
+            self.waiting.push(child)
+        return child
+
+    def _run_beam_round(self, request: Request) -> None:
+        """Once every live beam has its row: keep the best continuations (`BeamGroup.expand`),
+        forking a parent for each kept child beyond its first and freeing a parent with none
+        (pruned, or ended in EOS) at once."""
+        beams = request.beams
+        live = [seq for seq in request.sequences if not seq.is_finished]
+        if not live or not beams.is_ready(live):
+            return
+        for parent, children in beams.expand(live).items():
+            if not children:
+                self.finish(parent, FinishReason.STOP)
+                continue
+            for child in children[1:]:  # forks first: they share the parent's tokens so far
+                self._continue_beam(self._fork(parent), child)
+            self._continue_beam(parent, children[0])
+
+    def _continue_beam(self, seq: Sequence, child: Child) -> None:
+        self.kv.append_output(seq, child.token_id)
+        self.num_output_tokens += 1
+        if not seq.request.beams.continue_as(seq, child.beam):
+            self.finish(seq, FinishReason.LENGTH)
+        elif seq in self.sleeping:  # its KV went while it waited: computed again from here
+            self.sleeping.remove(seq)
+            self.waiting.push(seq)
 
     def _append(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         self.kv.append_output(seq, token_id)
@@ -335,6 +412,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.discard(seq)
+            self.sleeping.discard(seq)
         self.kv.free(seq)
         self.speculator.forget(seq)
         self._preempted_at.pop(seq.seq_id, None)
@@ -356,10 +434,11 @@ class Scheduler:
                 assert table.num_tokens == seq.num_computed_tokens
                 assert table.num_tentative == 0, "a draft outlived its step"
             else:
-                assert is_waiting and seq.status is SequenceStatus.WAITING
+                assert seq.status is SequenceStatus.WAITING
+                assert is_waiting != (seq in self.sleeping), f"sequence {seq.seq_id} is lost"
                 assert table.num_blocks == 0
                 assert seq.num_computed_tokens == 0 or self.kv.is_swapped(seq)
 
 
 def _num_seats(seq: Sequence) -> int:
-    return seq.request.params.n if seq.request.needs_fork else 1
+    return seq.request.num_seats(seq)

@@ -39,6 +39,7 @@ from kvpool.memory.prefix_cache import BlockHash, SaltKey
 if TYPE_CHECKING:
     import torch
 
+    from kvpool.engine.beams import BeamGroup
     from kvpool.engine.sampling.grammar import GrammarMatcher
 
 
@@ -79,7 +80,7 @@ class Sequence:
     @property
     def generator(self) -> torch.Generator | None:
         """This completion's private random stream (None: the sampler's shared one)."""
-        return self.request.generators[self.index]
+        return self.request.generator(self.index)
 
     @property
     def matcher(self) -> GrammarMatcher | None:
@@ -141,6 +142,7 @@ class Request:
     matchers: tuple[GrammarMatcher, ...] = ()  # structured outputs: completion i's grammar
     token_rules: TokenRules = NO_TOKEN_RULES  # logit bias, allowed ids, bad words, as tensors
     sequences: list[Sequence] = field(default_factory=list)
+    beams: BeamGroup | None = None  # a beam search's beams (its sequences fork per round)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, set at admission
     num_prompt_logprob_positions: int = 0  # prompt positions whose logits gave prompt logprobs
     first_scheduled_time: float | None = None  # first admission to a batch (not re-admissions)
@@ -161,8 +163,23 @@ class Request:
 
     @property
     def needs_fork(self) -> bool:
-        """True until the prompt's prefill has produced all n sequences."""
-        return len(self.sequences) < self.params.n
+        """True until the prompt's prefill has produced all n sequences (a beam search
+        forks round by round instead: `kvpool.engine.beams`)."""
+        return self.beams is None and len(self.sequences) < self.params.n
+
+    def num_seats(self, seq: Sequence) -> int:
+        """Batch seats `seq` stands for: the n sequences of a prompt not yet forked, or the
+        width of a beam search not yet expanded; else one."""
+        if self.needs_fork:
+            return self.params.n
+        if self.beams is not None and not self.beams.has_expanded:
+            return self.beams.width
+        return 1
+
+    def generator(self, index: int) -> torch.Generator | None:
+        """Completion `index`'s random stream; a beam's fork (index beyond n) is greedy and
+        draws none."""
+        return self.generators[index] if index < len(self.generators) else None
 
     @property
     def is_finished(self) -> bool:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpool.engine.beams import BeamGroup
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.requests.derived import (
     cache_salt_key,
@@ -94,8 +95,15 @@ class RequestIntake:
         request = Request(request_id, prompt_text, token_ids, params, time.monotonic(), salt,
                           sequence_generators(params.seed, params.n, self.device), priority,
                           cache_salt, grammar_matchers(params, self.grammar_compiler),
-                          self.token_rules.build(params))
+                          self.token_rules.build(params), beams=self._beams(params, token_ids))
         return request, hash_full_blocks(token_ids, self.kv_memory.layout.block_size, salt)
+
+    def _beams(self, params: SamplingParams, token_ids: list[int]) -> BeamGroup | None:
+        if not params.use_beam_search:
+            return None
+        return BeamGroup(params.beam_width, params.length_penalty, params.ignore_eos,
+                         self.eos_token_ids, len(token_ids), params.max_tokens,
+                         self.max_model_len)
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(the prompt's text if it had one, its token ids)."""
@@ -129,6 +137,9 @@ class RequestIntake:
                 raise InvalidRequestError(f"{what} must be in [0, {vocab_size})", param)
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n exceeds max_num_seqs ({self.max_num_seqs})", "n")
+        if params.use_beam_search and params.beam_width > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"the beam width exceeds max_num_seqs ({self.max_num_seqs})", "best_of")
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

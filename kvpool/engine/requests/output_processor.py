@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.engine.beams.group import FinishedBeam
 from kvpool.engine.requests.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpool.engine.requests.prompt_logprobs import prompt_logprobs_of
 from kvpool.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -174,7 +175,10 @@ class OutputProcessor:
         is_finished = request.is_finished
         if kind is RequestOutputKind.FINAL_ONLY and not is_finished:
             return None
-        completions = [self._completion(seq, kind) for seq in request.sequences]
+        if request.beams is not None:
+            completions = self._beam_completions(request) if is_finished else []
+        else:
+            completions = [self._completion(seq, kind) for seq in request.sequences]
         prompt_logprobs = self._prompt_logprobs_out(request, kind)
         if is_finished:
             for seq in request.sequences:
@@ -189,6 +193,28 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=_take_metrics(request),
             prompt_logprobs=prompt_logprobs,
+        )
+
+    def _beam_completions(self, request: Request) -> list[CompletionOutput]:
+        """A finished beam search's n best beams, best first (an aborted one's live beams
+        count as they stood)."""
+        beams = request.beams
+        for seq in list(beams.beams):
+            beams.end(seq, str(seq.finish_reason or FinishReason.ABORT))
+        return [self._beam_completion(index, done, request.params)
+                for index, done in enumerate(beams.best(request.params.n))]
+
+    def _beam_completion(self, index: int, done: FinishedBeam,
+                         params: SamplingParams) -> CompletionOutput:
+        token_ids = list(done.token_ids)
+        text_ids = token_ids[:len(token_ids) - done.ends_in_eos]
+        text = "" if self.tokenizer is None else self.tokenizer.decode(
+            text_ids, skip_special_tokens=params.skip_special_tokens)
+        return CompletionOutput(
+            index=index, text=text, token_ids=token_ids, finish_reason=done.finish_reason,
+            stop_reason=token_ids[-1] if done.ends_in_eos else None,
+            logprobs=[self._decorate(row) for row in done.beam.logprobs],
+            cumulative_logprob=done.beam.cum_logprob,
         )
 
     def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:

@@ -83,7 +83,7 @@ def sampling_rows(batch: SchedulerOutput, eos_token_ids: SequenceOf[int]) -> lis
             eos = () if params.ignore_eos else tuple(eos_token_ids)
             banned = eos + tuple(params.stop_token_ids)
         rows.append(SamplingRow(params, seq.prompt_token_ids, outputs,
-                                request.generators[index], banned,
+                                request.generator(index), banned,
                                 request.matchers[index] if request.matchers else None,
                                 request.token_rules, tuple(drafts)))
     return rows
