@@ -6,6 +6,7 @@ loads nothing heavy.
 
     protocol.py    pydantic models of the requests and responses
     errors.py      `OpenAIError` and the handlers that render every error in OpenAI's shape
+                   (or, by path, another API's: `ErrorShape`)
     auth.py        `ApiKeyTable`, tenants, `TenantSalts`
     middleware.py  `AuthMiddleware`, `BodyLimitMiddleware`, `AccessPolicy`
     prompts.py     `prompt_list`, `tokenize_prompt`, `EnginePrompt`

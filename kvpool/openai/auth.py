@@ -74,12 +74,11 @@ class ApiKeyTable:
     def is_enabled(self) -> bool:
         return bool(self.entries)
 
-    def authenticate(self, authorization: str | None) -> str | None:
-        """The tenant named by an `Authorization: Bearer <key>` header, or None."""
-        if authorization is None:
-            return None
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key:
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> str | None:
+        """The tenant named by an `Authorization: Bearer <key>` header or, when there is no
+        Authorization header, by an `x-api-key: <key>` header (Anthropic's); else None."""
+        key = api_key if authorization is None else _bearer_key(authorization)
+        if not key or not key.strip():
             return None
         presented = _digest(key.strip())
         tenant = None
@@ -87,6 +86,11 @@ class ApiKeyTable:
             if hmac.compare_digest(presented, digest):
                 tenant = entry_tenant
         return tenant
+
+
+def _bearer_key(authorization: str) -> str | None:
+    scheme, _, key = authorization.partition(" ")
+    return key if scheme.lower() == "bearer" else None
 
 
 def parse_key_file(text: str) -> list[tuple[str, str]]:

@@ -10,18 +10,25 @@ here, so no response ever carries FastAPI's `{"detail": ...}`. Messages are cut 
 so a client cannot make the server echo an unbounded value back. The one exception is OpenAI's
 own: an unknown model's name, cut to 64 characters. Lone surrogates in a message are replaced,
 so an error body can always be encoded.
+
+Another API served beside OpenAI's (Anthropic's Messages API on /v1/messages) answers in its
+own shape: it gives `install_error_handlers` an `ErrorShape` for its path, and every error on
+that path, from a route, a handler here or the middleware, goes out through `error_response`,
+the one place a body's shape is chosen. Routes keep raising `OpenAIError`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from kvpool.openai.protocol import ErrorDetail, ErrorResponse
 
@@ -59,18 +66,38 @@ class OpenAIError(Exception):
         self.param = param
         self.error_type = error_type or _TYPE_BY_STATUS.get(status_code, "invalid_request_error")
 
+    def safe_text(self) -> tuple[str, str | None]:
+        """The message and param as any error body may carry them: cut, and encodable."""
+        param = None if self.param is None else _encodable(truncate(self.param, 64))
+        return _encodable(truncate(self.message)), param
+
     def body(self) -> dict[str, Any]:
-        detail = ErrorDetail(
-            message=_encodable(truncate(self.message)),
-            type=self.error_type,
-            param=None if self.param is None else _encodable(truncate(self.param, 64)),
-            code=self.status_code,
-        )
+        message, param = self.safe_text()
+        detail = ErrorDetail(message=message, type=self.error_type, param=param,
+                             code=self.status_code)
         return ErrorResponse(error=detail).model_dump()
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        headers = headers if headers is not None else self.headers
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """Errors on `path`, and on the paths below it, get `body(error)` instead of OpenAI's."""
+
+    path: str
+    body: Callable[[OpenAIError], dict[str, Any]]
+
+    def owns(self, path: str) -> bool:
+        return path == self.path or path.startswith(f"{self.path}/")
+
+
+def error_response(scope: Scope, error: OpenAIError,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """`error` as the answer to the request of `scope`, in the shape of the API its path
+    belongs to: the app's `ErrorShape`s (`install_error_handlers`), else OpenAI's."""
+    shapes: tuple[ErrorShape, ...] = getattr(scope["app"].state, "error_shapes", ())
+    shape = next((shape for shape in shapes if shape.owns(scope["path"])), None)
+    body = error.body() if shape is None else shape.body(error)
+    headers = headers if headers is not None else error.headers
+    return JSONResponse(body, status_code=error.status_code, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -106,13 +133,13 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 async def _openai_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, OpenAIError)
-    return error.response()
+    return error_response(request.scope, error)
 
 
 async def _validation_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
     message, param = validation_message(error.errors())
-    return bad_request(message, param).response()
+    return error_response(request.scope, bad_request(message, param))
 
 
 async def _http_error(request: Request, error: Exception) -> JSONResponse:
@@ -124,15 +151,18 @@ async def _http_error(request: Request, error: Exception) -> JSONResponse:
         405: "method not allowed on this route",
         413: "the request body is too large",
     }.get(status, "request failed")
-    return OpenAIError(status, message).response(headers=error.headers)
+    return error_response(request.scope, OpenAIError(status, message), headers=error.headers)
 
 
 async def _internal_error(request: Request, error: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=error)
-    return OpenAIError(500, "internal server error").response()
+    return error_response(request.scope, OpenAIError(500, "internal server error"))
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, *shapes: ErrorShape) -> None:
+    """Render every error of `app` in OpenAI's shape, or in the shape of an API that owns the
+    request's path (`shapes`; the middleware reads them from the app's state too)."""
+    app.state.error_shapes = shapes
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -10,6 +10,10 @@ Besides `request.state.tenant`, the middleware sets `request.state.sees_all_tena
 an admin key, and for every request on a path that needs no key (authentication off), where
 there is no tenant to hide anything from.
 
+A key is presented as `Authorization: Bearer <key>` (OpenAI's clients) or as `x-api-key: <key>`
+(Anthropic's); with both headers, the Authorization header is the one read. Refusals are
+rendered by `error_response`, in the shape of the API the path belongs to.
+
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and client-disconnect
 messages pass through untouched. A rejected request costs no work: authentication looks at
 headers only, and an oversized body is refused from its Content-Length or, for a chunked body,
@@ -24,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpool.openai.auth import ADMIN_TENANT, DEFAULT_TENANT, ApiKeyTable
-from kvpool.openai.errors import OpenAIError
+from kvpool.openai.errors import OpenAIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/dashboard"})
 METRICS_PATH = "/metrics"
@@ -52,8 +56,8 @@ class AccessPolicy:
 
 
 class AuthMiddleware:
-    """Every path `policy` guards needs `Authorization: Bearer <key>`, one of the keys it
-    accepts there. The authenticated tenant is put in `request.state.tenant` (the default
+    """Every path `policy` guards needs a key it accepts there, as `Authorization: Bearer <key>`
+    or `x-api-key: <key>`. The authenticated tenant is put in `request.state.tenant` (the default
     tenant on an open path), and whether it may see every tenant in
     `request.state.sees_all_tenants` (module docstring)."""
 
@@ -68,7 +72,8 @@ class AuthMiddleware:
         tenant: str | None = DEFAULT_TENANT
         keys = self.policy.keys_for(scope["path"])
         if keys is not None:
-            tenant = keys.authenticate(_header(scope, b"authorization"))
+            tenant = keys.authenticate(_header(scope, b"authorization"),
+                                       _header(scope, b"x-api-key"))
             if tenant is None:
                 await _send_error(scope, receive, send, _unauthorized(scope))
                 return
@@ -123,7 +128,7 @@ class BodyLimitMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not is_response_started:
-                await self._too_large().response()(scope, receive, send)
+                await error_response(scope, self._too_large())(scope, receive, send)
 
     def _too_large(self) -> OpenAIError:
         return OpenAIError(413, f"the request body exceeds {self.max_bytes} bytes")
@@ -137,12 +142,12 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def _unauthorized(scope: Scope) -> OpenAIError:
-    if _header(scope, b"authorization") is None:
-        message = "no API key given: send 'Authorization: Bearer <key>'"
+    if _header(scope, b"authorization") is None and _header(scope, b"x-api-key") is None:
+        message = "no API key given: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
         return OpenAIError(401, message)
     return OpenAIError(401, "incorrect API key provided")
 
 
 async def _send_error(scope: Scope, receive: Receive, send: Send, error: OpenAIError) -> None:
     headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
-    await error.response(headers=headers)(scope, receive, send)
+    await error_response(scope, error, headers)(scope, receive, send)

@@ -1,7 +1,8 @@
 """`build_app(engine, config)`: the FastAPI application around a running `AsyncLLMEngine`.
 
 Request path: AuthMiddleware (401 before any work) → BodyLimitMiddleware (413) → FastAPI
-(validation errors become OpenAI-shaped 400s) → routes (generation: routes.py; models,
+(validation errors become 400s, Anthropic-shaped on /v1/messages) → routes (generation:
+routes.py and, for Anthropic's Messages API, messages_routes.py; models,
 tokenize, version, ping: utility_routes.py; KV snapshot, prefix explanation and the dashboard:
 kv_routes.py; KV events' source and snapshot: kv_event_routes.py). On shutdown (the
 lifespan's end) the engine is given what is left of the grace period, then stopped.
@@ -21,6 +22,7 @@ import kvpool
 from kvpool.engine.async_engine import AsyncLLMEngine
 from kvpool.openai.errors import install_error_handlers
 from kvpool.openai.middleware import AccessPolicy, AuthMiddleware, BodyLimitMiddleware
+from kvpool.server import messages_routes
 from kvpool.server.config import ServerConfig
 from kvpool.server.cors import install_cors
 from kvpool.server.generation import ServerState
@@ -57,8 +59,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
         redoc_url=None,
     )
     app.state.kvpool = state
-    install_error_handlers(app)
+    install_error_handlers(app, messages_routes.ERROR_SHAPE)
     app.include_router(router)
+    app.include_router(messages_routes.router)
     app.include_router(utility_router)
     app.include_router(kv_router)
     app.include_router(kv_event_router)

@@ -42,6 +42,14 @@ def test_authenticate_finds_the_tenant_of_a_bearer_key() -> None:
     assert not ApiKeyTable().is_enabled
 
 
+def test_a_key_may_come_as_x_api_key_when_there_is_no_authorization_header() -> None:
+    table = ApiKeyTable.from_keys(parse_key_file(KEY_FILE))
+    assert table.authenticate(None, "key-alice") == "alice"  # Anthropic's x-api-key
+    assert table.authenticate("Bearer key-bob", "key-alice") == "bob"  # Authorization wins
+    assert table.authenticate("Bearer key-carol", "key-alice") is None
+    assert table.authenticate(None, " ") is None
+
+
 def test_api_key_and_key_file_combine(tmp_path: Path) -> None:
     path = tmp_path / "keys.txt"
     path.write_text(KEY_FILE)
