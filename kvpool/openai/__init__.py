@@ -10,4 +10,5 @@ loads nothing heavy.
     auth.py        `ApiKeyTable`, tenants, `TenantSalts`
     middleware.py  `AuthMiddleware`, `BodyLimitMiddleware`, `AccessPolicy`
     prompts.py     `prompt_list`, `tokenize_prompt`, `EnginePrompt`
+    responses_api/ the Responses API (/v1/responses) as a translation onto chat completions
 """

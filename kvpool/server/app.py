@@ -30,6 +30,7 @@ from kvpool.server.input_work import InputWork
 from kvpool.server.kv_event_routes import router as kv_event_router
 from kvpool.server.kv_routes import router as kv_router
 from kvpool.server.metrics import ServerMetrics
+from kvpool.server.responses_api_routes import router as responses_api_router
 from kvpool.server.routes import router
 from kvpool.server.tokenizer_info import router as tokenizer_info_router
 from kvpool.server.utility_routes import router as utility_router
@@ -62,6 +63,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     install_error_handlers(app, messages_routes.ERROR_SHAPE)
     app.include_router(router)
     app.include_router(messages_routes.router)
+    app.include_router(responses_api_router)
     app.include_router(utility_router)
     app.include_router(kv_router)
     app.include_router(kv_event_router)
