@@ -136,8 +136,6 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-        if self.use_beam_search:  # a round ranks each beam's 2 * width likeliest tokens
-            self.logprobs = max(self.logprobs or 0, 2 * self.beam_width)
 
     def _check_sizes(self) -> None:
         """The size caps, checked by length alone (nothing walks the values first)."""
@@ -242,6 +240,14 @@ class SamplingParams:
              "(and allowed_token_ids, bad_words) is not supported with use_beam_search: "
              "beams rank the model's raw distribution"),
         ]
+
+    @property
+    def num_sampled_logprobs(self) -> int | None:
+        """Alternatives the sampler returns per token: `logprobs`, or for beam search its
+        round's candidates, each beam's 2 * width likeliest tokens."""
+        if self.use_beam_search:
+            return max(self.logprobs or 0, 2 * self.beam_width)
+        return self.logprobs
 
     @property
     def beam_width(self) -> int:

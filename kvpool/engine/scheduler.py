@@ -32,6 +32,11 @@ token, ask the stop rules (`StopChecker`, the output processor) whether each seq
 and free the finished. A chunk with drafts keeps the drafts the sampler agreed with and the
 sampler's token after them, one at a time through the stop rules (nothing past a stop is
 kept); its table commits their slots and drops the rest before anything is published.
+A beam search's rows wait for the round: once every live beam of the request has one, the
+best continuations are kept (`kvpool.engine.beams`), forking parents and freeing pruned ones
+at once. A running beam with nothing left to compute waits for that round and is passed
+over; if a step would run nothing while sequences wait for room, such beams give their KV up
+and sleep (`sleeping`, in neither queue) until their round queues them again.
 A step that failed before its update is undone by `roll_back()`: its sequences are requeued
 with their KV dropped, so no slot reserved for a step that never ran survives.
 
@@ -39,7 +44,7 @@ Invariants (`check_invariants`): `running` is sorted by `Sequence.sort_key`; a s
 running, waiting or finished, and in at most one of the two queues; between steps every running
 sequence's block table holds exactly its computed tokens, and every waiting one holds no device
 block and has no computed token, unless it is swapped out (its computed tokens then sit in host
-blocks it owns).
+blocks it owns); a waiting sequence is in the waiting queue or sleeping, never both.
 """
 
 from __future__ import annotations

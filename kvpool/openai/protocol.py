@@ -110,6 +110,10 @@ class CompletionRequest(SamplingFields):
     logprobs: Int32 | None = None
     echo: bool | None = False
     add_special_tokens: bool = True
+    # Beam search (vLLM's fields): best_of beams (default n), the n best returned.
+    use_beam_search: bool = False
+    best_of: Int32 | None = None
+    length_penalty: float = 1.0
 
 
 class ContentPart(RequestModel):

@@ -92,6 +92,7 @@ def completion_inputs(
                 DEFAULT_COMPLETION_MAX_TOKENS),
             logprobs=request.logprobs, prompt_logprobs=prompt_logprobs,
             structured_outputs=None if constraint is None else constraint.spec,
+            **_beam_fields(request),
         )
         for prompt in prompts
     ]
@@ -196,6 +197,16 @@ def sampling_params(
     except InvalidRequestError as error:
         param = max_tokens_param if error.param == "max_tokens" else error.param
         raise bad_request(str(error), param) from error
+
+
+def _beam_fields(request: CompletionRequest) -> dict[str, Any]:
+    """vLLM's beam search fields. A beam search is greedy: the model's default temperature
+    does not apply (a temperature the client sets is refused by the engine's check)."""
+    fields = {"best_of": request.best_of, "use_beam_search": request.use_beam_search,
+              "length_penalty": request.length_penalty}
+    if request.use_beam_search and request.temperature is None:
+        fields["temperature"] = 0.0
+    return fields
 
 
 def _stop_strings(request: SamplingFields, config: ServerConfig) -> list[str]:

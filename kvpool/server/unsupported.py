@@ -1,6 +1,6 @@
 """Fields OpenAI or vLLM define that kvpool does not honour: a 400 naming the field, not silence.
 
-A client that sends `use_beam_search: true` or `suffix` expects a behaviour; answering as if
+A client that sends `suffix` or chat's `use_beam_search: true` expects a behaviour; answering as if
 the field were absent would hand it a different result without a word. Each entry lists the
 values that mean "off" (the field's default): those pass, since many clients send defaults
 explicitly; any other value is refused before tokenizing. Fields that change nothing here
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.openai.errors import bad_request
-from kvpool.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvpool.openai.protocol import ChatCompletionRequest, SamplingFields
 
 _VLLM_GUIDED = "was removed from vLLM; use structured_outputs (or response_format)"
 
@@ -37,8 +37,6 @@ class Unsupported:
 
 
 _BOTH = (
-    Unsupported("use_beam_search", "beam search is not supported", (False,)),
-    Unsupported("length_penalty", "length_penalty (beam search) is not supported", (1, 1.0)),
     Unsupported("logprob_token_ids", "logprob_token_ids is not supported"),
     Unsupported("truncate_prompt_tokens", "truncate_prompt_tokens is not supported"),
     Unsupported("return_token_ids", "return_token_ids is not supported", (False,)),
@@ -67,6 +65,9 @@ _COMPLETION_ONLY = (
 )
 
 _CHAT_ONLY = (
+    Unsupported("use_beam_search", "beam search is served on /v1/completions only", (False,)),
+    Unsupported("length_penalty", "length_penalty (beam search) is served on /v1/completions "
+                "only", (1, 1.0)),
     Unsupported("functions", "functions is deprecated and not supported; use tools"),
     Unsupported("function_call", "function_call is deprecated and not supported; use "
                 "tool_choice"),
@@ -88,12 +89,3 @@ def check_supported(request: SamplingFields) -> None:
     for entry in entries:
         if not entry.is_neutral(extra.get(entry.field)):
             raise bad_request(entry.reason, entry.field)
-    if isinstance(request, CompletionRequest):
-        _check_best_of(extra.get("best_of"), request.n or 1)
-
-
-def _check_best_of(best_of: Any, n: int) -> None:
-    """best_of == n asks for nothing beyond n; more would need ranking the samples."""
-    if best_of is None or (type(best_of) is int and best_of == n):
-        return
-    raise bad_request("best_of is not supported (other than equal to n)", "best_of")

@@ -132,7 +132,7 @@ def test_beams_ending_in_eos_finish_and_rank_with_the_length_penalty(llm):
     eos = next(iter(llm.engine.eos_token_ids))
     prompt = [5, 6, 7]
     params = SamplingParams(n=2, best_of=4, use_beam_search=True, temperature=0,
-                            max_tokens=12, logit_bias=None, length_penalty=0.5)
+                            max_tokens=12, logprobs=1, length_penalty=0.5)
     [output] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert len(output.outputs) == 2
     scores = [beam.cumulative_logprob / (len(prompt) + len(beam.token_ids)

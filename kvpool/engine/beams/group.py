@@ -26,12 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpool.engine.requests.outputs import Logprob
 
-if TYPE_CHECKING:
-    from kvpool.engine.sequence import Sequence
+
+class Sequence(Protocol):
+    """What a beam reads of its sequence (`kvpool.engine.sequence.Sequence`); beams are keyed
+    by the sequence object itself."""
+
+    output_token_ids: list[int]
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class BeamSearchParams:
         return SamplingParams(n=self.beam_width, best_of=self.beam_width, use_beam_search=True,
                               length_penalty=self.length_penalty, temperature=0.0,
                               max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              logprobs=2 * self.beam_width,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
 

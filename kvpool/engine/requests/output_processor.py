@@ -213,7 +213,8 @@ class OutputProcessor:
         return CompletionOutput(
             index=index, text=text, token_ids=token_ids, finish_reason=done.finish_reason,
             stop_reason=token_ids[-1] if done.ends_in_eos else None,
-            logprobs=[self._decorate(row) for row in done.beam.logprobs],
+            logprobs=None if params.logprobs is None else [
+                self._decorate(row) for row in done.beam.logprobs],
             cumulative_logprob=done.beam.cum_logprob,
         )
 

@@ -75,9 +75,9 @@ class Sampler:
         token_ids = choose_token_ids(logits, rows, self.generator(logits.device)).tolist()
         logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
         wanted = {
-            index: row.params.logprobs
+            index: row.params.num_sampled_logprobs
             for index, row in enumerate(rows)
-            if row.params.logprobs is not None
+            if row.params.num_sampled_logprobs is not None
         }
         if wanted:
             entries = logprob_entries(raw_logprobs_of(logits, list(wanted)),
