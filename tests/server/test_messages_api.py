@@ -22,17 +22,12 @@ from kvpool.openai.auth import ApiKeyTable
 from kvpool.openai.tools.parser import ParsedOutput, ParsedToolCall
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, RunningServer, serve
+from tests.server.test_tools import WEATHER_PARAMETERS
 
 KEY = "key-messages"
 MAX_REQUEST_BYTES = 64 * 1024
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 24},
-                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+WEATHER_SCHEMA = WEATHER_PARAMETERS
 TIME_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
                "required": ["city"]}
 TOOLS = [

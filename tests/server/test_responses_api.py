@@ -35,26 +35,14 @@ from openai.types.responses import (
 
 from kvpool.server.config import ServerConfig
 from tests.server.conftest import MODEL, RunningServer, serve
+from tests.server.test_structured_http import PERSON_SCHEMA
+from tests.server.test_tools import WEATHER_PARAMETERS
 
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0}
 QUESTION = "What is the capital of France? Answer with one word."
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 24},
-                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOL = {"type": "function", "name": "get_weather", "description": "The weather now in a city",
         "parameters": WEATHER_PARAMETERS}
 ASK_WEATHER = "What is the weather in Paris right now?"
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 # Holds a random-weight model to a thinking-then-answer reply (as test_reasoning does).
 THINK_REGEX = r"<think>[a-z ]{4,16}</think>[A-Z][a-z ]{2,10}\."
 TEXT_EVENTS = [ResponseOutputItemAddedEvent, ResponseContentPartAddedEvent, ResponseTextDeltaEvent,
