@@ -22,6 +22,14 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - A block is on `_evictable_ids` iff its ref_count is 0 and the prefix cache holds its hash.
 - `_num_filled_slots_in_use` equals the filled slots summed over used blocks.
 - num_allocations - num_frees == num_used (counters are reset only on an empty pool).
+- Generations: every id carries a `generation` that changes exactly when the id stops naming
+  the KV it held: handed out for new content (`allocate`, fresh or evicted from the prefix
+  cache), and, in a resizable pool, relocated away or taken offline. A revival by a prefix hit
+  and a `retain` keep it (the content is the same). So while an id's generation stays g, its
+  KV is written only for the holder it was handed out to at g: a `(block_id, generation)` pair
+  names one content, and a reader that finds the generation moved knows its pair is stale
+  (`kvpool.memory.block_leases`). Generations never decrease (a reset keeps them); the null
+  block's is 0 and a used block's at least 1.
 
 Policy, and why: fresh blocks are reused LIFO (the most recently freed is the likeliest to sit
 in a cache level close to the compute); cached blocks are evicted least-recently-used, and only
@@ -106,6 +114,7 @@ class BlockPool:
         self._num_filled_slots = [0] * capacity_blocks
         self._is_online = [False] * capacity_blocks
         self._is_online[1 : num_blocks + 1] = [True] * num_blocks
+        self._generations = [0] * capacity_blocks  # when they move: the module docstring
         # Reversed so that a new pool hands out 1, 2, 3, ... in order.
         self._fresh_free_ids: list[int] = list(range(num_blocks, 0, -1))
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
@@ -164,6 +173,14 @@ class BlockPool:
         """The pool clock when this block last changed hands (NaN: not since the start)."""
         return self._last_use[block_id]
 
+    def generation(self, block_id: int) -> int:
+        """How many times this id has stopped naming its KV (module docstring); offline ids
+        answer too, since a stale pair may name one."""
+        if not (type(block_id) is int and 0 <= block_id < self.capacity_blocks):
+            raise InvalidBlockError(f"block id {block_id!r} is outside the pool's capacity "
+                                    f"({self.capacity_blocks})")
+        return self._generations[block_id]
+
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable_ids
 
@@ -189,6 +206,7 @@ class BlockPool:
         if num_blocks == 1 and self._fresh_free_ids:  # the decode hot path
             block_id = self._fresh_free_ids.pop()
             self._ref_counts[block_id] = 1
+            self._generations[block_id] += 1
             self._last_use[block_id] = self.now
             self._num_allocations += 1
             return [block_id]
@@ -213,6 +231,7 @@ class BlockPool:
             self.recent_evictions.append(entry.block_hash)
             self.listeners.block_evicted(self.medium, block_id, entry, is_kv_intact)
         self._ref_counts[block_id] = 1
+        self._generations[block_id] += 1
         self._num_filled_slots[block_id] = 0
         self._last_use[block_id] = self.now
         return block_id
@@ -285,7 +304,8 @@ class BlockPool:
 
     def reset(self) -> None:
         """Make a pool with no used blocks look new: prefix cache emptied, free blocks handed
-        out lowest id first again, counters zero (the engine calls it after its warm-up)."""
+        out lowest id first again, counters zero (the engine calls it after its warm-up).
+        Generations are kept: they never decrease."""
         if self.num_used_blocks:
             raise InvalidBlockError(f"cannot reset a pool with {self.num_used_blocks} used blocks")
         self.listeners.pool_cleared(self.medium)
@@ -396,9 +416,10 @@ class BlockPool:
         assert not fresh & evictable, "a block is both free and cached"
         assert sum(self._is_online) == self.num_blocks, "the online count is off"
         assert not self._is_online[NULL_BLOCK_ID], "the null block is online"
+        assert self._generations[NULL_BLOCK_ID] == 0, "the null block was handed out"
         filled_in_use = 0
         for block_id, ref_count in enumerate(self._ref_counts):
-            assert ref_count >= 0
+            assert ref_count >= 0 and self._generations[block_id] >= 0
             is_hashed = self.prefix_cache.is_cached(block_id)
             if not self._is_online[block_id]:
                 assert ref_count == 0 and not is_hashed, f"offline block {block_id} is in use"
@@ -406,6 +427,7 @@ class BlockPool:
                 assert self._num_filled_slots[block_id] == 0
             elif ref_count > 0:
                 assert block_id not in fresh and block_id not in evictable
+                assert self._generations[block_id] >= 1, f"used block {block_id} never handed out"
                 filled_in_use += self._num_filled_slots[block_id]
             else:
                 assert (block_id in evictable) == is_hashed

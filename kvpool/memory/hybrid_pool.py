@@ -28,6 +28,11 @@ pages never move (no relocation yet), so this only guarantees progress once they
 Invariants (`check_invariants`): every group pool's own; each online id has exactly one live
 arena handle, at offset id * unit, of its group's page bytes, and the arena holds nothing else
 but the null page; bytes are the arena's (live + free tile the reservation).
+
+Generations (`BlockPool.generation`) live in each group's pool: a page given back to the arena
+goes offline in its group, which advances its generation there, and the group that carves
+those bytes next hands its own id out with its own advance, so no `(group, block id,
+generation)` outlives the bytes it named.
 """
 
 from __future__ import annotations

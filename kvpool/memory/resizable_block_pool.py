@@ -5,7 +5,9 @@ brings runs of ids online (`add_blocks`) as its memory grows, takes unused ones 
 (`remove_blocks`: listeners hear `block_removed` for each cached one) as it shrinks, and moves
 used blocks out of a segment it gives back (`relocate_blocks`: cached blocks evicted to take
 them are `block_evicted` with their KV overwritten at once). The null block (id 0) is never
-brought online. Every invariant of `BlockPool` holds after each call.
+brought online. Every invariant of `BlockPool` holds after each call. Generations: an id taken
+offline, or relocated away, stops naming its KV, so its generation advances then (a relocation
+target's advances as it is taken, like any hand-out); bringing an id online leaves it alone.
 
 Policy: blocks brought online go to the *bottom* of the free stack, so free blocks already
 online are reused first and the newest memory stays the emptiest, the cheapest to give back.
@@ -59,6 +61,7 @@ class ResizableBlockPool(BlockPool):
         num_evicted = 0
         for block_id in removed:
             self._is_online[block_id] = False
+            self._generations[block_id] += 1
             if block_id in self._evictable_ids:
                 del self._evictable_ids[block_id]
                 entry = self.prefix_cache.remove(block_id)
@@ -97,5 +100,6 @@ class ResizableBlockPool(BlockPool):
                 self.prefix_cache.insert(new_id, entry.block_hash, entry.token_ids)
             self._ref_counts[old_id] = 0
             self._num_filled_slots[old_id] = 0
+            self._generations[old_id] += 1
             self._fresh_free_ids.append(old_id)
         return old_to_new

@@ -53,3 +53,18 @@ def assert_view_matches_pool(view: PoolView, pool: BlockPool,
         assert (info.age_s is None) == (info.state == OFFLINE or math.isnan(
             pool._last_use[info.block_id]))
     assert list(view.lru) == pool.evictable_block_ids()
+
+
+def generations(pool: BlockPool) -> list[int]:
+    """Every id's generation, the null block's and the offline ones' included."""
+    return [pool.generation(block_id) for block_id in range(pool.capacity_blocks)]
+
+
+def assert_generations_moved_exactly(before: list[int], after: list[int],
+                                     moved: set[int]) -> None:
+    """Between two looks at a pool's generations, an id's changed iff it is in `moved` (the
+    ids that stopped naming their KV meanwhile), and none went down."""
+    for block_id, (old, new) in enumerate(zip(before, after, strict=True)):
+        assert new >= old, f"block {block_id}'s generation went down: {old} -> {new}"
+        assert (new != old) == (block_id in moved), (
+            f"block {block_id}: generation {old} -> {new}, but moved is {block_id in moved}")

@@ -228,6 +228,38 @@ def test_a_match_counts_revivals_and_sizes_admission():
     assert pool.stats().prefix_cache_queries_blocks == 0, "matching alone counts nothing"
 
 
+def test_a_generation_moves_with_each_hand_out_and_never_on_a_revival_or_retain():
+    pool = make_pool(2, 2)
+    assert [pool.generation(b) for b in (NULL_BLOCK_ID, 1, 2)] == [0, 0, 0]
+    first, second = pool.allocate(2)  # the batch path
+    assert (pool.generation(first), pool.generation(second)) == (1, 1)
+    block_hash = publish_full_block(pool, first, [1, 2])
+    pool.retain([first])  # another holder: same content
+    pool.free([first])
+    pool.free([first])  # cached
+    assert take(pool, [block_hash], [1, 2]) == [first]  # revived by a prefix hit
+    assert pool.generation(first) == 1
+    pool.free([second])
+    assert pool.allocate(1) == [second]  # the one-block hot path, from the free list
+    assert pool.generation(second) == 2
+    pool.free([first])
+    pool.free([second])
+    assert sorted(pool.allocate(2)) == [first, second]  # first evicted from the cache
+    assert (pool.generation(first), pool.generation(second)) == (2, 3)
+    pool.check_invariants()
+
+
+def test_a_reset_keeps_generations_and_generation_refuses_ids_outside_the_pool():
+    pool = make_pool(2, 2)
+    pool.free(pool.allocate(2))
+    pool.reset()
+    assert [pool.generation(b) for b in (1, 2)] == [1, 1]
+    assert pool.allocate(1) == [1] and pool.generation(1) == 2
+    for bad_id in (-1, 3, 1.0, True):
+        with pytest.raises(InvalidBlockError, match="capacity"):
+            pool.generation(bad_id)
+
+
 @pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0)])
 def test_invalid_pool_shapes_are_rejected(num_blocks, block_size):
     with pytest.raises(ValueError, match="at least 1"):

@@ -5,6 +5,8 @@ tables; after every step the pool's bookkeeping is checked against the tables th
 Speculative decoding's steps are among the operations: `draft` gives a sequence tentative
 slots, `commit` keeps a prefix of them (the accepted drafts) and drops the rest; between the
 two the sequence is only verified, as in the engine's step (no append, fork or draft).
+Generations are watched too: a block's changes iff `allocate` handed it out for new content
+since the last look (a prefix hit's revival and a fork's retain keep it), and never goes down.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pool_checks import assert_cached_blocks_hold_table_tokens, assert_view_matches_pool
+from pool_checks import (
+    assert_cached_blocks_hold_table_tokens,
+    assert_generations_moved_exactly,
+    assert_view_matches_pool,
+    generations,
+)
 
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.errors import OutOfBlocksError
@@ -36,12 +43,26 @@ SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=14)
 
 
+class HandOutLog(BlockPool):
+    """A pool that notes each id it hands out for new content: the generation rule's oracle."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.handed_out: set[int] = set()
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        block_ids = super().allocate(num_blocks)
+        self.handed_out.update(block_ids)
+        return block_ids
+
+
 class BlockPoolMachine(RuleBasedStateMachine):
     sequences = Bundle("sequences")
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(NUM_BLOCKS, KVLayout(BLOCK_SIZE))
+        self.pool = HandOutLog(NUM_BLOCKS, KVLayout(BLOCK_SIZE))
+        self.generations = generations(self.pool)
         self.tables: dict[int, SequenceBlocks] = {}
         self.expected_tokens: dict[int, list[int]] = {}
         self.drafts: dict[int, list[int]] = {}  # seq -> its tentative tokens, until commit
@@ -200,6 +221,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def the_pool_view_agrees_with_the_pool(self):
         tables = [tuple(table.block_ids) for table in self.tables.values()]
         assert_view_matches_pool(take_pool_view(self.pool, tables), self.pool, tables)
+
+    @invariant()
+    def generations_move_iff_handed_out_and_never_down(self):
+        after = generations(self.pool)
+        assert_generations_moved_exactly(self.generations, after, self.pool.handed_out)
+        self.generations = after
+        self.pool.handed_out.clear()
 
     @invariant()
     def different_salts_never_share_a_block(self):

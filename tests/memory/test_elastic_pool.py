@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvpool.memory.arena import Arena
+from kvpool.memory.block_leases import BlockLeases
 from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.elastic_pool import ElasticKVPool, ElasticPoolConfig
 from kvpool.memory.errors import OutOfBlocksError
@@ -152,6 +153,23 @@ def test_shrink_refuses_tables_that_miss_a_reference_and_changes_nothing():
     with pytest.raises(ValueError, match="every live block table"):
         elastic.shrink([full, table])  # the fork also holds blocks 5 and 6
     assert elastic.pool.num_blocks == 8 and fork.block_ids == table.block_ids == [5, 6]
+    elastic.check_invariants()
+
+
+def test_a_leased_block_pins_its_segment_a_shrink_moves_nothing():
+    """A lease's reference is no table's, so shrink refuses to relocate the block (the
+    remote reader would otherwise pull an id that no longer holds its KV)."""
+    elastic = make_elastic(initial_blocks=8)
+    full = write_table(elastic, list(range(8)))  # segment 0
+    table = write_table(elastic, [1, 2, 3])  # blocks 5, 6: segment 1 is the emptiest
+    leases = BlockLeases(elastic.pool, ttl_seconds=5.0)
+    lease = leases.lease("to-decode", table.block_ids, now=0.0)
+    table.free()
+    with pytest.raises(ValueError, match="every live block table"):
+        elastic.shrink([full])
+    assert elastic.pool.num_blocks == 8 and leases.check("to-decode", lease.pairs, 1.0)
+    leases.release("to-decode")
+    assert elastic.shrink([full]) is True
     elastic.check_invariants()
 
 

@@ -2,7 +2,8 @@
 
 Small scenarios assert exact ids (id 0 is the null block: never online); a property test
 interleaves sequence operations with segments of ids going online, offline, and being emptied
-by relocation.
+by relocation, and watches that an id's generation moves exactly when the id stops naming its
+KV (handed out, relocated away, taken offline).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pool_checks import assert_cached_blocks_hold_table_tokens
+from pool_checks import (
+    assert_cached_blocks_hold_table_tokens,
+    assert_generations_moved_exactly,
+    generations,
+)
 
 from kvpool.memory.errors import InvalidBlockError, OutOfBlocksError
 from kvpool.memory.kv_layout import KVLayout
@@ -111,6 +116,19 @@ def test_relocate_moves_references_filled_slots_and_the_prefix_cache_entry():
     assert SequenceBlocks(pool).take_cached_prefix([1, 2, 3, 4, 9]) == 4  # hits at 6 and 7
 
 
+def test_relocation_and_going_offline_advance_generations_and_going_online_does_not():
+    pool = make_pool(range(1, 5), 5, block_size=2)
+    table = SequenceBlocks(pool)
+    table.append_tokens([1, 2, 3])  # blocks 1, 2
+    pool.remove_blocks([3])
+    assert [pool.generation(b) for b in (1, 2, 3, 4)] == [1, 1, 1, 0]
+    assert pool.relocate_blocks([1]) == {1: 4}
+    assert (pool.generation(1), pool.generation(4)) == (2, 1)  # moved away; taken
+    pool.add_blocks([3])
+    assert pool.generation(3) == 1
+    pool.check_invariants()
+
+
 def test_relocate_is_all_or_nothing():
     pool = make_pool(range(1, 5), 5, block_size=2)
     table = SequenceBlocks(pool)
@@ -152,6 +170,30 @@ def _segment_ids(segment: int) -> list[int]:
     return list(range(first, first + SEGMENT_BLOCKS))
 
 
+class MoveLog(ResizableBlockPool):
+    """A resizable pool that notes each id that stops naming its KV: the generation oracle."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.moved: set[int] = set()
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        block_ids = super().allocate(num_blocks)
+        self.moved.update(block_ids)
+        return block_ids
+
+    def relocate_blocks(self, block_ids):
+        old_to_new = super().relocate_blocks(block_ids)
+        self.moved.update(old_to_new, old_to_new.values())
+        return old_to_new
+
+    def remove_blocks(self, block_ids, is_kv_intact=False):
+        block_ids = list(block_ids)
+        num_evicted = super().remove_blocks(block_ids, is_kv_intact)
+        self.moved.update(block_ids)
+        return num_evicted
+
+
 class OnlineBlockPoolMachine(RuleBasedStateMachine):
     """Tables grow, fork and free while segments of ids go online, offline, or are emptied
     by relocation (as an elastic pool does); the tables always read the tokens they wrote."""
@@ -160,8 +202,9 @@ class OnlineBlockPoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = ResizableBlockPool(1 + SEGMENT_BLOCKS * NUM_SEGMENTS, KVLayout(BLOCK_SIZE))
+        self.pool = MoveLog(1 + SEGMENT_BLOCKS * NUM_SEGMENTS, KVLayout(BLOCK_SIZE))
         self.pool.add_blocks(_segment_ids(0) + _segment_ids(1))
+        self.generations = generations(self.pool)
         self.online = {0, 1}
         self.tables: dict[int, SequenceBlocks] = {}
         self.expected: dict[int, list[int]] = {}
@@ -253,6 +296,13 @@ class OnlineBlockPoolMachine(RuleBasedStateMachine):
         assert stats.num_free_blocks + stats.num_cached_blocks + stats.num_used_blocks == len(
             online
         )
+
+    @invariant()
+    def generations_move_iff_ids_stop_naming_their_kv(self):
+        after = generations(self.pool)
+        assert_generations_moved_exactly(self.generations, after, self.pool.moved)
+        self.generations = after
+        self.pool.moved.clear()
 
     @invariant()
     def ref_counts_equal_owners_and_tables_hold_their_tokens(self):
