@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvpool.engine.beams import BeamGroup
-    from kvpool.engine.sampling.grammar import GrammarMatcher
+    from kvpool.engine.sampling.matcher import Matcher
 
 
 class SequenceStatus(enum.Enum):
@@ -83,7 +83,7 @@ class Sequence:
         return self.request.generator(self.index)
 
     @property
-    def matcher(self) -> GrammarMatcher | None:
+    def matcher(self) -> Matcher | None:
         """This completion's grammar state (None: its output is not constrained)."""
         return self.request.matchers[self.index] if self.request.matchers else None
 
@@ -139,7 +139,7 @@ class Request:
     generators: tuple[torch.Generator | None, ...]
     priority: int = 0
     cache_salt: str | None = None
-    matchers: tuple[GrammarMatcher, ...] = ()  # structured outputs: completion i's grammar
+    matchers: tuple[Matcher, ...] = ()  # structured outputs: completion i's grammar
     token_rules: TokenRules = NO_TOKEN_RULES  # logit bias, allowed ids, bad words, as tensors
     sequences: list[Sequence] = field(default_factory=list)
     beams: BeamGroup | None = None  # a beam search's beams (its sequences fork per round)

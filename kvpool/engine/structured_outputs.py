@@ -6,6 +6,11 @@ keeping per-sequence matcher state is `kvpool.engine.sampling.grammar`'s job. `k
 canonical, hashable form, so equal schemas share one compiled grammar however their JSON was
 spelled (whitespace, a dict or its text). A schema's key order is kept: it is the order the
 object's properties are generated in, so it is part of what the schema asks for.
+
+`thinking` (optional) says that the output of a reasoning model thinks before it answers and
+that the constraint holds the answer only: the grammar starts after the thinking's end marker
+(`Thinking`; the server sets it from its `--reasoning-parser`). It is not part of `key`: the
+grammar is the same, only where it starts differs (`kvpool.engine.sampling.after_thinking`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,29 @@ from kvpool.engine.errors import InvalidRequestError
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """Where a reasoning model's output thinks, as text markers (any tokenization of them
+    counts): the constraint holds only what follows the first `end`.
+
+    `start` None: the output begins inside the thinking (DeepSeek-R1, whose chat template
+    opens it in the prompt) and is unconstrained until `end`. `start` given: thinking is
+    optional (Qwen3): an output that opens with `start` thinks until `end`, any other is
+    constrained from its first token; while its text can still become `start`, both are
+    allowed."""
+
+    end: str = "</think>"
+    start: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.end, str) and self.end):
+            raise InvalidRequestError("thinking.end must be a non-empty string",
+                                      "structured_outputs.thinking.end")
+        if not (self.start is None or (isinstance(self.start, str) and self.start)):
+            raise InvalidRequestError("thinking.start must be None or a non-empty string",
+                                      "structured_outputs.thinking.start")
+
+
 @dataclass(frozen=True, eq=False)
 class StructuredOutputsParams:
     """One constraint on the output; `json` is a JSON schema (a dict, or its JSON text)."""
@@ -28,6 +56,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (GBNF / Lark-like, as xgrammar reads it)
     json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    thinking: Thinking | None = None  # the grammar holds only the answer after the thinking
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -38,6 +67,8 @@ class StructuredOutputsParams:
                 f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
                 f" (got {len(given)})", "structured_outputs")
         self._check_value(given[0])
+        if not (self.thinking is None or isinstance(self.thinking, Thinking)):
+            raise InvalidRequestError("thinking must be a Thinking", "structured_outputs.thinking")
 
     def _value(self, kind: str) -> Any:
         value = getattr(self, kind)
@@ -81,7 +112,8 @@ class StructuredOutputsParams:
         return kind, value
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StructuredOutputsParams) and self.key == other.key
+        return (isinstance(other, StructuredOutputsParams) and self.key == other.key
+                and self.thinking == other.thinking)
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return hash((self.key, self.thinking))

@@ -13,6 +13,10 @@ The thinking goes to `reasoning_content`, the rest to the answer, which the tool
 then reads (`ThinkingFirst`). A `Splitter` does it piece by piece for a stream, holding back
 only text that may still be the start of a tag, so the pieces of a stream concatenate to the
 split of the whole text (`ToolParser.extract` runs the same splitter over it).
+
+Each parser's `thinking` is its syntax as the engine reads it (`kvpool.engine.
+structured_outputs.Thinking`): a constrained request's grammar starts after the thinking, at
+the text the split makes the answer (both find the markers in the text, however tokenized).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from abc import ABC
 from typing import ClassVar
 
+from kvpool.engine.structured_outputs import Thinking
 from kvpool.openai.tools.parser import StreamPiece, ToolCallStreamer, ToolParser
 
 START, END = "<think>", "</think>"
@@ -30,20 +35,21 @@ class ReasoningParser(ABC):
     """A model family's thinking syntax (module docstring)."""
 
     name: ClassVar[str]
-    starts_thinking: ClassVar[bool]  # the output begins inside the thinking, tag or not
+    # The markers; `start` None: the output begins inside the thinking, tag or not.
+    thinking: ClassVar[Thinking]
 
     def splitter(self) -> Splitter:
-        return Splitter(self.starts_thinking)
+        return Splitter(self.thinking.start is None)
 
 
 class DeepSeekR1(ReasoningParser):
     name = "deepseek_r1"
-    starts_thinking = True
+    thinking = Thinking(end=END)
 
 
 class Qwen3(ReasoningParser):
     name = "qwen3"
-    starts_thinking = False
+    thinking = Thinking(end=END, start=START)
 
 
 class Splitter:

@@ -8,18 +8,24 @@ default tool prompt); `tool_choice` `required` or a named function constrains de
 (`tools/choice.py`), which cannot be combined with another constraint
 (`response_format`/`structured_outputs`). With tools in play (`auto`) a parser that needs
 special tokens in the text turns `skip_special_tokens` off, as vLLM's hermes parser does.
+
+With a `--reasoning-parser`, the output thinks first whatever it is asked: the constraint (a
+tool choice's or the client's) gets the parser's `thinking`, so the grammar holds only the
+answer after the thinking, and the output is read with the thinking split off first.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
+from kvpool.engine.structured_outputs import StructuredOutputsParams
 from kvpool.openai.errors import bad_request
 from kvpool.openai.prompts import chat_prompt
 from kvpool.openai.protocol import ChatCompletionRequest
 from kvpool.openai.reasoning import ThinkingFirst, get_reasoning_parser
-from kvpool.openai.structured import Constraint, compile_constraint, request_constraint
+from kvpool.openai.structured import compile_constraint, request_constraint
 from kvpool.openai.tools import get_tool_parser
 from kvpool.openai.tools.choice import ToolPlan, compile_tool_constraint
 from kvpool.openai.tools.output import output_parser
@@ -72,27 +78,30 @@ def chat_inputs(
     params = sampling_params(
         request, config, defaults, param, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=checked_prompt_logprobs(request, config),
-        structured_outputs=None if chosen is None else chosen.spec, **extra,
+        structured_outputs=None if chosen is None else _after_thinking(config, chosen.spec),
+        **extra,
     )
     return EngineInputs([prompt], [params], request.priority, tool_plan=plan,
-                        output_parser=_reader(config, plan, parser, constraint))
+                        output_parser=_reader(config, plan, parser))
 
 
-def _reader(config: ServerConfig, plan: ToolPlan, parser: ToolParser,
-            constraint: Constraint | None) -> ToolParser:
+def _after_thinking(config: ServerConfig,
+                    spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """The constraint the engine applies: with a reasoning parser, to the answer after the
+    thinking (the grammar is the same, compiled once, only its start moves)."""
+    if config.reasoning_parser is None:
+        return spec
+    return replace(spec, thinking=get_reasoning_parser(config.reasoning_parser).thinking)
+
+
+def _reader(config: ServerConfig, plan: ToolPlan, parser: ToolParser) -> ToolParser:
     """How the output is read: the tool plan's reader, after the thinking is split off when a
-    reasoning parser is on and the output may think. A grammar holds the output from its
-    first token (applying it after the thinking is not built yet), so a tool choice's calls
-    never think, and nor does a constrained output under a parser whose output starts inside
-    the thinking (deepseek_r1); a qwen3 output thinks if the grammar lets it open with
-    <think>."""
+    reasoning parser is on (tool choices and constrained outputs too: their grammars hold the
+    answer after the thinking)."""
     reader = output_parser(plan, parser)
-    if config.reasoning_parser is None or plan.constraint is not None:
+    if config.reasoning_parser is None:
         return reader
-    reasoning = get_reasoning_parser(config.reasoning_parser)
-    if constraint is not None and reasoning.starts_thinking:
-        return reader
-    return ThinkingFirst(reasoning, reader)
+    return ThinkingFirst(get_reasoning_parser(config.reasoning_parser), reader)
 
 
 def _logprobs(request: ChatCompletionRequest, config: ServerConfig) -> int | None:

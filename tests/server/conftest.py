@@ -121,6 +121,31 @@ def offline_generate(loaded: LoadedModel, prompt: str | list[int], params: Any) 
     return final
 
 
+def thinks_then_answers(tokenizer: Any, answer: str = "", opens: bool = True) -> dict[str, Any]:
+    """Sampling fields (`logit_bias`, `bad_words`) that drive `fast_model` (greedy) to think
+    `think`, close the thinking and then write `answer` wherever a grammar lets it choose.
+
+    `logit_bias` ranks `think` (50) over `</` (40), `>` (30), `<` (26, qwen3's opener; with
+    `opens` false the output does not open with it) and `answer`'s tokens and EOS (10 up,
+    later ones higher, so a finished part never repeats); `bad_words` ban `think` after
+    itself and `</` after `</think`. Unconstrained, the highest allowed token is therefore
+    `think`, `</`, `think`, `>` in turn; a qwen3 output whose grammar refuses `<` opens with
+    `<think>` (after `<` the tag's own tokens are all that is allowed)."""
+    def token(text: str) -> int:
+        (token_id,) = tokenizer.encode(text, False)
+        return token_id
+
+    bias = {token("think"): 50, token("</"): 40, token(">"): 30}
+    if opens:
+        bias[token("<")] = 26
+    if answer:
+        answer_ids = [*tokenizer.encode(answer, False), min(tokenizer.eos_token_ids)]
+        for rank, token_id in enumerate(answer_ids):
+            bias.setdefault(token_id, 10 + rank)
+    return {"logit_bias": {str(token_id): value for token_id, value in bias.items()},
+            "bad_words": ["thinkthink", "</think</"]}
+
+
 def slow_steps(server: RunningServer, seconds: float) -> None:
     """Make each engine step of `server` last at least `seconds` (the fast model steps in
     milliseconds), so that a long request stays in flight while a test looks at the pool."""

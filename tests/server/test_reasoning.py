@@ -1,13 +1,15 @@
 """Reasoning parsers (`--reasoning-parser`): thinking split from the answer, whole and streamed
 alike (any way the text is cut), tool calls read from the answer after it, and over real HTTP
-with the official client: `reasoning_content` in messages and in streamed deltas."""
+with the official client: `reasoning_content` in messages and in streamed deltas, and a
+constraint (a JSON schema, a tool choice) that holds only the answer after the thinking."""
 
 from __future__ import annotations
 
-import re
+import json
 from itertools import pairwise
 from typing import Any
 
+import jsonschema
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,7 +21,7 @@ from kvpool.openai.tools import get_tool_parser
 from kvpool.openai.tools.output import PlainOutput
 from kvpool.openai.tools.parser import ParsedOutput, ParsedToolCall, read_pieces
 from kvpool.server.config import ServerConfig
-from tests.server.conftest import MODEL, serve
+from tests.server.conftest import MODEL, serve, thinks_then_answers
 
 # (parser, output text, (reasoning, content)) as a model would write them.
 RECORDED = [
@@ -74,8 +76,18 @@ def test_an_unknown_reasoning_parser_is_refused_by_name() -> None:
 
 # ---------------------------------------------------------------- over HTTP
 ASK = [{"role": "user", "content": "What is two and two?"}]
-# Holds a random-weight model to a thinking-then-answer reply, so the parser reads real output.
-THINK_REGEX = r"<think>[a-z ]{4,16}</think>[A-Z][a-z ]{2,10}\."
+SUM_SCHEMA = {"type": "object", "required": ["sum"], "additionalProperties": False,
+              "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 99}}}
+SUM_FORMAT = {"type": "json_schema", "json_schema": {"name": "sum", "schema": SUM_SCHEMA}}
+ADD_PARAMETERS = {"type": "object", "required": ["exact"],
+                  "properties": {"exact": {"type": "boolean"}}}
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": ADD_PARAMETERS}}
+
+
+def thinking_first(fast_model, answer: str = "", opens: bool = True) -> dict[str, Any]:
+    """The official client's arguments of `thinks_then_answers`' fields."""
+    fields = thinks_then_answers(fast_model.tokenizer, answer, opens)
+    return {"logit_bias": fields["logit_bias"], "extra_body": {"bad_words": fields["bad_words"]}}
 
 
 def reasoning_server(fast_model, name: str):
@@ -90,20 +102,69 @@ def streamed(chunks) -> tuple[str, str]:
     return thinking, content
 
 
-def test_qwen3_thinking_goes_to_reasoning_content_streamed_or_not(fast_model) -> None:
-    options: dict[str, Any] = {
-        "model": MODEL, "messages": ASK, "max_completion_tokens": 60, "temperature": 0,
-        "extra_body": {"structured_outputs": {"regex": THINK_REGEX}}}
+def schema_request(fast_model, **forcing) -> dict[str, Any]:
+    forced = thinking_first(fast_model, '{"sum":4}', **forcing)
+    return {"model": MODEL, "messages": ASK, "max_completion_tokens": 40, "temperature": 0,
+            "response_format": SUM_FORMAT, **forced}
+
+
+def test_deepseek_r1_schema_holds_the_answer_after_the_thinking(fast_model) -> None:
+    """The output thinks freely (`think` is no JSON), then its answer matches the schema,
+    streamed or not; one that never closes its thinking is all reasoning, never held."""
+    options = schema_request(fast_model)
+    with reasoning_server(fast_model, "deepseek_r1") as server:
+        client = server.client()
+        choice = client.chat.completions.create(**options).choices[0]
+        assert choice.message.reasoning_content == "think"
+        jsonschema.validate(json.loads(choice.message.content), SUM_SCHEMA)
+        assert choice.finish_reason == "stop"
+        assert streamed(list(client.chat.completions.create(stream=True, **options))) == (
+            "think", choice.message.content)
+        unforced = {**options, "logit_bias": None, "extra_body": {},
+                    "max_completion_tokens": 12}
+        choice = client.chat.completions.create(**unforced).choices[0]
+        assert choice.message.reasoning_content and choice.message.content is None
+        assert choice.finish_reason == "length"
+
+
+def test_qwen3_thinks_only_if_it_opens_with_the_tag_and_the_schema_holds_the_answer(
+        fast_model) -> None:
+    """Opened with <think>, the thinking goes to reasoning_content and the answer matches the
+    schema; not opened, the schema holds from the first token and all is answer, as it is
+    for an unconstrained reply of a model that writes no tags."""
+    options = schema_request(fast_model)
     with reasoning_server(fast_model, "qwen3") as server:
         client = server.client()
         message = client.chat.completions.create(**options).choices[0].message
-        thinking, content = message.reasoning_content, message.content
-        assert re.fullmatch(THINK_REGEX, f"<think>{thinking}</think>{content}")
+        assert message.reasoning_content == "think"
+        jsonschema.validate(json.loads(message.content), SUM_SCHEMA)
         assert streamed(list(client.chat.completions.create(stream=True, **options))) == (
-            thinking, content)
+            "think", message.content)
+        unopened = client.chat.completions.create(**schema_request(fast_model, opens=False))
+        message = unopened.choices[0].message
+        assert message.reasoning_content is None
+        jsonschema.validate(json.loads(message.content), SUM_SCHEMA)
         plain_reply = client.chat.completions.create(
-            **{**options, "extra_body": {}}).choices[0].message  # no tags: all answer
-        assert plain_reply.reasoning_content is None and plain_reply.content
+            model=MODEL, messages=ASK, max_completion_tokens=20, temperature=0).choices[0]
+        assert plain_reply.message.reasoning_content is None and plain_reply.message.content
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "add"}}],
+                         ids=["required", "named"])
+def test_tool_choice_calls_are_read_after_the_thinking(fast_model, tool_choice) -> None:
+    options: dict[str, Any] = {
+        "model": MODEL, "messages": ASK, "max_completion_tokens": 40, "temperature": 0,
+        "tools": [ADD_TOOL], "tool_choice": tool_choice, "parallel_tool_calls": False,
+        **thinking_first(fast_model, '{"exact":true}')}
+    with reasoning_server(fast_model, "deepseek_r1") as server:
+        choice = server.client().chat.completions.create(**options).choices[0]
+    message = choice.message
+    assert message.reasoning_content == "think" and not message.content
+    (call,) = message.tool_calls
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), ADD_PARAMETERS)
+    assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
 
 
 def test_deepseek_r1_output_is_thinking_until_it_closes(fast_model) -> None:

@@ -7,7 +7,6 @@ cached tokens, an `incomplete` response, a reasoning item, and the 400s that nam
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,8 +32,9 @@ from openai.types.responses import (
     ResponseTextDoneEvent,
 )
 
+from kvpool.server import responses_api_routes
 from kvpool.server.config import ServerConfig
-from tests.server.conftest import MODEL, RunningServer, serve
+from tests.server.conftest import MODEL, RunningServer, serve, thinks_then_answers
 from tests.server.test_structured_http import PERSON_SCHEMA
 from tests.server.test_tools import WEATHER_PARAMETERS
 
@@ -43,8 +43,6 @@ QUESTION = "What is the capital of France? Answer with one word."
 TOOL = {"type": "function", "name": "get_weather", "description": "The weather now in a city",
         "parameters": WEATHER_PARAMETERS}
 ASK_WEATHER = "What is the weather in Paris right now?"
-# Holds a random-weight model to a thinking-then-answer reply (as test_reasoning does).
-THINK_REGEX = r"<think>[a-z ]{4,16}</think>[A-Z][a-z ]{2,10}\."
 TEXT_EVENTS = [ResponseOutputItemAddedEvent, ResponseContentPartAddedEvent, ResponseTextDeltaEvent,
                ResponseTextDoneEvent, ResponseContentPartDoneEvent, ResponseOutputItemDoneEvent]
 
@@ -216,10 +214,22 @@ def test_a_tool_round_trip_is_the_chat_round_trip(client) -> None:
 
 
 # ------------------------------------------------------------------ reasoning
-def test_thinking_is_a_reasoning_item_before_the_message(fast_model) -> None:
+SUM_SCHEMA = {"type": "object", "required": ["sum"], "additionalProperties": False,
+              "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_thinking_is_a_reasoning_item_before_the_message(fast_model, monkeypatch) -> None:
+    """The random model is driven to think and then answer (`thinks_then_answers`' fields,
+    added here to the chat request the response becomes: the Responses API has no
+    `logit_bias`); the schema holds the answer after the thinking."""
+    forcing = thinks_then_answers(fast_model.tokenizer, '{"sum":4}')
+    translate = responses_api_routes.chat_request
+    monkeypatch.setattr(responses_api_routes, "chat_request",
+                        lambda body: translate(body).model_copy(update=forcing))
     config = ServerConfig(served_model_names=(MODEL,), reasoning_parser="qwen3")
-    options = {"input": "What is two and two?", "max_output_tokens": 60,
-               "extra_body": {"structured_outputs": {"regex": THINK_REGEX}}, **GREEDY}
+    text_format = {"type": "json_schema", "name": "sum", "schema": SUM_SCHEMA}
+    options = {"input": "What is two and two?", "max_output_tokens": 40,
+               "text": {"format": text_format}, **GREEDY}
     with serve(fast_model, config, num_gpu_blocks=64) as server:
         client = server.client()
         whole = client.responses.create(**options)
@@ -227,7 +237,8 @@ def test_thinking_is_a_reasoning_item_before_the_message(fast_model) -> None:
     reasoning, message = whole.output
     assert (reasoning.type, message.type) == ("reasoning", "message")
     thinking = reasoning.content[0].text
-    assert re.fullmatch(THINK_REGEX, f"<think>{thinking}</think>{whole.output_text}")
+    assert thinking == "think"
+    jsonschema.validate(json.loads(whole.output_text), SUM_SCHEMA)
     assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
     assert kinds(events) == [
         ResponseCreatedEvent, ResponseInProgressEvent, ResponseOutputItemAddedEvent,

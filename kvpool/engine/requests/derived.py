@@ -19,7 +19,8 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.memory.prefix_cache import SaltKey, salt_key
 
 if TYPE_CHECKING:
-    from kvpool.engine.sampling.grammar import GrammarCompiler, GrammarMatcher
+    from kvpool.engine.sampling.grammar import GrammarCompiler
+    from kvpool.engine.sampling.matcher import Matcher
 
 
 def cache_salt_key(cache_salt: str | None) -> SaltKey:
@@ -47,15 +48,15 @@ def sequence_generators(
 
 def grammar_matchers(
     params: SamplingParams, compiler: GrammarCompiler | None
-) -> tuple[GrammarMatcher, ...]:
-    """One fresh matcher per completion of a structured request (none otherwise). The compile
-    normally hits the compiler's cache: callers that can compile ahead do."""
+) -> tuple[Matcher, ...]:
+    """One fresh matcher per completion of a structured request (none otherwise); a spec with
+    `thinking` gets matchers whose grammar starts after the thinking. The compile normally
+    hits the compiler's cache: callers that can compile ahead do."""
     spec = params.structured_outputs
     if spec is None:
         return ()
     if compiler is None:
         raise InvalidRequestError(
             "this model has no tokenizer: structured outputs need one", "structured_outputs")
-    compiled = compiler.compile(spec)
-    return tuple(compiled.new_matcher() for _ in range(params.n))
+    return tuple(compiler.new_matcher(spec) for _ in range(params.n))
 

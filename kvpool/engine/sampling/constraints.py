@@ -35,7 +35,8 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from kvpool.engine.sampling.rows import SamplingRow, TokenMask
+from kvpool.engine.sampling.matcher import TokenMask
+from kvpool.engine.sampling.rows import SamplingRow
 
 _BITS_PER_WORD = 32  # the grammar bitmask is int32: bit t % 32 of word t // 32 is token t
 
@@ -121,6 +122,13 @@ def grammar_draft_prefix(matcher: TokenMask, num_outputs: int,
         num_allowed += 1
     matcher.rewind_to(num_outputs)
     return list(drafts[:num_allowed])
+
+
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set token `token_id`'s bit in `bitmask[row]` (host int32 words, as xgrammar fills)."""
+    word, bit = divmod(token_id, _BITS_PER_WORD)
+    value = (int(bitmask[row, word]) | 1 << bit) & 0xFFFFFFFF
+    bitmask[row, word] = value - (1 << 32) if value >> 31 else value  # int32's sign bit
 
 
 def bitmask_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

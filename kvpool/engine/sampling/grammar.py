@@ -20,6 +20,11 @@ keeps, so its state stays valid across preemptions; it moves back (`rewind_to`, 
 rollback) to undo a step that was rolled back after sampling, and after walking through
 speculative drafts (cutting them at proposal, masking their verification rows). Token ids the
 model has beyond the tokenizer's are never allowed.
+
+`GrammarCompiler.new_matcher(spec)` is where a request's matchers come from: a
+`GrammarMatcher`, or for a spec with `thinking` an `AfterThinking` around two of them, whose
+grammar starts after the output's thinking (`kvpool.engine.sampling.after_thinking`). Both are
+`Matcher`s: the engine holds and reads them alike.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from kvpool.engine.grammar_process import (
     new_compiler,
     xgrammar_module,
 )
-from kvpool.engine.structured_outputs import StructuredOutputsParams
+from kvpool.engine.sampling.after_thinking import AfterThinking, ThinkingMarks
+from kvpool.engine.sampling.matcher import Matcher
+from kvpool.engine.structured_outputs import StructuredOutputsParams, Thinking
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept; a JSON schema's is tens to hundreds of KiB
+MAX_THINKING_MARKS = 16  # `Thinking` markers kept per compiler (a server has one)
 BITS_PER_WORD = 32  # the bitmask is int32 (xgrammar's `bitmask_dtype`)
 
 # What each kind's compile failure says. Fixed text: xgrammar's own messages quote the spec,
@@ -162,6 +170,8 @@ class GrammarCompiler:
         self._info: xgrammar.TokenizerInfo | None = None  # built on first use (~0.3 s)
         self._compiler: xgrammar.GrammarCompiler | None = None  # in-process compiles
         self._processes: GrammarProcesses | None = None  # compiles with a timeout
+        self._marks: OrderedDict[Thinking, ThinkingMarks] = OrderedDict()  # under `_init_lock`
+        self._vocab_bytes: tuple[bytes, ...] | None = None  # token id -> bytes, on first use
 
     @property
     def bitmask_width(self) -> int:
@@ -202,7 +212,31 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
         if is_owner:
             self._compile_into(future, key, timeout)
-        return future.result()
+        compiled = future.result()
+        if spec.thinking is not None:  # ready before the engine thread makes its matchers
+            self.thinking_marks(spec.thinking)
+        return compiled
+
+    def new_matcher(self, spec: StructuredOutputsParams) -> Matcher:
+        """A matcher at the start of `spec`'s output (its grammar compiled now unless cached):
+        the grammar from the first token, or after the thinking if `spec.thinking`."""
+        compiled = self.compile(spec)
+        if spec.thinking is None:
+            return compiled.new_matcher()
+        return AfterThinking(self.thinking_marks(spec.thinking), compiled.new_matcher(),
+                             compiled.new_matcher())
+
+    def thinking_marks(self, thinking: Thinking) -> ThinkingMarks:
+        """`thinking`'s markers in this vocabulary (built once: the first builds every
+        token's bytes, ~0.1 s per 50,000 tokens)."""
+        with self._init_lock:
+            marks = self._marks.get(thinking)
+            if marks is None:
+                marks = self._marks[thinking] = ThinkingMarks.build(
+                    thinking, self.tokenizer, self._token_bytes())
+                while len(self._marks) > MAX_THINKING_MARKS:
+                    self._marks.popitem(last=False)
+            return marks
 
     def close(self) -> None:
         """Stop the idle compiler processes (a later compile with a timeout starts more)."""
@@ -243,6 +277,12 @@ class GrammarCompiler:
             if self._processes is None:
                 self._processes = GrammarProcesses(self._tokenizer_info())
             return self._processes
+
+    def _token_bytes(self) -> tuple[bytes, ...]:
+        """Every token's bytes, as the grammar reads them; the caller holds `_init_lock`."""
+        if self._vocab_bytes is None:
+            self._vocab_bytes = tuple(map(bytes, self._tokenizer_info().decoded_vocab))
+        return self._vocab_bytes
 
     def _tokenizer_info(self) -> xgrammar.TokenizerInfo:
         """Built once (~0.3 s); the caller holds `_init_lock`."""

@@ -1,54 +1,26 @@
 """What the sampler is told about each logits row of a step (`SamplingRow`), and how a
 scheduled batch becomes those rows (`sampling_rows`).
 
-The bottom of `kvpool.engine.sampling` but for `token_rules` (which imports nothing here):
-`constraints` and `sampler` import this module, and it imports neither (token_rules → rows →
-constraints → sampler, one way).
+The bottom of `kvpool.engine.sampling` but for `matcher` and `token_rules` (which import
+nothing here): `constraints` and `sampler` import this module, and it imports neither
+(token_rules → rows → constraints → sampler, one way). What a row's grammar matcher must do
+is `matcher.TokenMask`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvpool.engine.sampling.matcher import TokenMask
 from kvpool.engine.sampling.token_rules import NO_TOKEN_RULES, TokenRules
 from kvpool.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvpool.engine.scheduler_output import SchedulerOutput
-
-
-class TokenMask(Protocol):
-    """What the sampler needs of a grammar matcher (`grammar.GrammarMatcher` here): the
-    sampler fills its row of the bitmask before choosing, and advances it by the chosen token
-    after. A drafted chunk's rows walk it through the drafts between fills and rewind it
-    (`constraints.fill_grammar_rows`); the speculator walks and rewinds it to cut drafts."""
-
-    def rewind_to(self, num_tokens: int) -> None:
-        """Forget tokens accepted beyond the first `num_tokens` outputs (a step rolled back
-        after the sampler ran, whose tokens the sequence never got)."""
-        ...
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Set `bitmask[row]`'s bits of the allowed tokens; False if the row allows all."""
-        ...
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by the chosen token; False if the grammar does not allow it."""
-        ...
-
-    @property
-    def num_accepted(self) -> int:
-        """Tokens accepted so far (the sequence's outputs between steps)."""
-        ...
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar has ended: no token is accepted after this."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ Drafts are cut at proposal to what the grammar accepts (the matcher walked and r
 each verification row is masked by the grammar after the drafts before it, and the matcher
 ends each step having accepted exactly the tokens the sequence kept. End to end, greedy output
 with drafts is the same token for token as without, in batches mixed with unconstrained
-requests, and the constrained requests' drafts are proposed and accepted.
+requests, and the constrained requests' drafts are proposed and accepted, also across the end
+of a reasoning model's thinking, where the grammar starts.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvpool.engine.sampling_params import SamplingParams
 from kvpool.engine.scheduler_output import ScheduledChunk
 from kvpool.engine.sequence import Request, Sequence
 from kvpool.engine.speculative import Speculator
-from kvpool.engine.structured_outputs import StructuredOutputsParams
+from kvpool.engine.structured_outputs import StructuredOutputsParams, Thinking
 from kvpool.memory.prefix_cache import NO_SALT
 from tests.engine.speculative.test_speculative_engine import run_checked
 
@@ -255,3 +256,28 @@ def test_seeded_structured_sampling_is_identical_with_drafts(make_engine, smollm
     drafted, verifications = run(make_engine(speculative_config=NGRAM), requests)
     assert completions(drafted) == completions(plain)
     assert sum(entry[2] for entries in verifications.values() for entry in entries) > 0
+
+
+SUM_SCHEMA = {"type": "object", "required": ["sum"], "additionalProperties": False,
+              "properties": {"sum": {"type": "integer"}}}
+
+
+def test_drafts_run_through_the_thinking_into_the_answer_the_grammar_holds(
+        make_engine, smollm2):
+    """The prompt's pattern thinks, closes with </think> and answers `{"sum": "four"}`, which
+    the schema refuses: drafts copy the thinking, the marker and the answer's start in one
+    verification, and are cut where the answer leaves the schema. Greedy output is the same
+    with drafts as without."""
+    line = 'Q: two plus two?\nA: Two and two make four.</think>{"sum": "four"}\n'
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=(
+        StructuredOutputsParams(json=SUM_SCHEMA, thinking=Thinking(end="</think>"))))
+    requests = [(line * 3 + "Q: two plus two?\nA:", params)]
+    plain, _ = run(make_engine(), requests)
+    drafted, verifications = run(make_engine(speculative_config=NGRAM), requests)
+    assert completions(drafted) == completions(plain)
+    thinking, answer = drafted[0].outputs[0].text.split("</think>")
+    assert thinking == " Two and two make four."
+    jsonschema.validate(json.loads(answer), SUM_SCHEMA)
+    boundary = len(smollm2.tokenizer.encode(thinking + "</think>", False))
+    assert any(before < boundary < before + num_accepted
+               for before, _, num_accepted in verifications[drafted[0].request_id])
