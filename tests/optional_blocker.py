@@ -11,9 +11,9 @@ import importlib.abc
 import sys
 
 # What the device image lacks (issue 29), with what they pull in: the Redis tier's, structured
-# outputs', KV events' and the HTTP server's packages.
+# outputs', KV events', the HTTP server's and the Mooncake KV transport's packages.
 HIDDEN = frozenset({"redis", "xgrammar", "tvm_ffi", "pydantic", "pydantic_core", "zmq",
-                    "msgspec", "fastapi", "starlette", "uvicorn"})
+                    "msgspec", "fastapi", "starlette", "uvicorn", "mooncake"})
 
 
 class HidingFinder(importlib.abc.MetaPathFinder):

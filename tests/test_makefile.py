@@ -1,5 +1,6 @@
 """The Makefile's set-up split: `make demo` (and `make setup`) needs pip only, no root, no
-Debian packages, no Chromium or Redis; only the test targets install those (`setup-test`).
+Debian packages, no Chromium, Redis or Mooncake's libraries; only the test targets install those
+(`setup-test`).
 Read from `make -n` (print the recipes, run nothing)."""
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ def test_demo_and_setup_need_pip_only(target: str) -> None:
 
 
 @pytest.mark.parametrize("target", ["test", "test-fast", "setup-test"])
-def test_the_test_targets_install_chromium_and_redis(target: str) -> None:
+def test_the_test_targets_install_chromium_redis_and_mooncakes_libraries(target: str) -> None:
     recipe = dry_run(target)
     assert "apt-get" in recipe
     assert "chromium-driver" in recipe and "redis-server" in recipe
+    assert "libibverbs1 librdmacm1 libnuma1" in recipe
     assert "pip" in recipe
+
+
+def test_setup_installs_the_mooncake_extra_for_its_tests() -> None:
+    assert ".[dev,mooncake]" in dry_run("setup")

@@ -1,7 +1,7 @@
 """kvpool imports and generates offline without its optional packages (redis, xgrammar,
-pyzmq, msgspec, pydantic/FastAPI), as on the GPU image that lacks them; a feature that needs
-one names it; the GPU check's test files still collect. Each case runs in a fresh interpreter
-whose imports of those packages fail (`tests/optional_blocker.py`)."""
+pyzmq, msgspec, pydantic/FastAPI, mooncake), as on the GPU image that lacks them; a feature
+that needs one names it; the GPU check's test files still collect. Each case runs in a fresh
+interpreter whose imports of those packages fail (`tests/optional_blocker.py`)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_an_offline_generate_needs_none_of_them() -> None:
         " use_tqdm=False)\n"
         "assert len(out.outputs[0].token_ids) == 4\n"
         "import sys\n"
-        "assert not {'redis', 'xgrammar', 'zmq', 'msgspec', 'pydantic'} & set(sys.modules)\n"
+        "assert not {'redis', 'xgrammar', 'zmq', 'msgspec', 'pydantic', 'mooncake'}"
+        " & set(sys.modules)\n"
         "print('generated')")
     assert result.returncode == 0, result.stderr
     assert "generated" in result.stdout
@@ -54,6 +55,18 @@ def test_a_feature_that_needs_one_names_it() -> None:
         "    print(error)\n")
     assert result.returncode == 0, result.stderr
     assert "structured outputs (and tool_choice) needs the package 'xgrammar'" in result.stdout
+
+
+def test_the_mooncake_transport_names_its_package() -> None:
+    result = run_hidden(
+        "from kvpool.engine.kv_connector.mooncake_transport import MooncakeTransport\n"
+        "try:\n"
+        "    MooncakeTransport()\n"
+        "except ImportError as error:\n"
+        "    print(error)\n")
+    assert result.returncode == 0, result.stderr
+    assert "the Mooncake KV transport (pip install 'kvpool[mooncake]') needs the package " \
+           "'mooncake'" in result.stdout
 
 
 def test_the_gpu_checks_test_files_collect() -> None:
