@@ -266,6 +266,9 @@ def test_thinking_is_a_reasoning_item_before_the_message(fast_model, monkeypatch
     ({"max_output_tokens": 10**8}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
      "text.format.schema"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice.name"),
+    ({"input": None}, "input"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(client, options, param) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
