@@ -206,12 +206,16 @@ def test_grounded_workload_end_to_end_copies_and_speculation_pays_off(tmp_path):
     ]  # fmt: skip
     assert main(argv) == 0
     grounded, chat = json.loads(path.read_text())["dtypes"][0]["results"]
-    # The answers copy their prompts. The passages are kvpool's own docstrings and code, so
-    # which three are drawn changes with the tree: 0.91 and 0.55 were both seen.
-    assert grounded["output_3grams_in_prompt"] > 0.4
+    # The answers copy their prompts, the chat answers do not. The passages are kvpool's own
+    # docstrings and code, so which three are drawn changes with the tree (0.91, 0.55 and 0.27
+    # were all seen): the claim is the gap to the control, not a level.
     assert chat["output_3grams_in_prompt"] < 0.2  # these have nothing to copy
+    assert grounded["output_3grams_in_prompt"] > chat["output_3grams_in_prompt"] + 0.2
     for row in (grounded, chat):
         spec = row["settings"]["ngram-k3"]
         assert spec["tokens_vs_off"]["identical_requests"] == 3  # greedy: exactly off's tokens
-    spec = grounded["settings"]["ngram-k3"]
-    assert spec["spec_decode"]["num_drafts"] > 0 and spec["acceptance_rate"] > 0.5
+    # Prompt lookup finds drafts where answers copy, and they hold: more accepted tokens
+    # than on the control (20 vs 1 when the copy share was 0.27).
+    accepted = {row["workload"]: row["settings"]["ngram-k3"]["spec_decode"]["num_accepted_tokens"]
+                for row in (grounded, chat)}
+    assert accepted["grounded"] > 2 * accepted["chat"] + 5
