@@ -385,7 +385,9 @@ class Scheduler:
     def _continue_beam(self, seq: Sequence, child: Child) -> None:
         self.kv.append_output(seq, child.token_id)
         self.num_output_tokens += 1
-        if not seq.request.beams.continue_as(seq, child.beam):
+        # Its length ran out, or (asleep, growing with no room check) it outgrew the pool.
+        if (not seq.request.beams.continue_as(seq, child.beam)
+                or not self.kv.can_ever_fit(seq.num_tokens)):
             self.finish(seq, FinishReason.LENGTH)
         elif seq in self.sleeping:  # its KV went while it waited: computed again from here
             self.sleeping.remove(seq)
@@ -419,6 +421,8 @@ class Scheduler:
             self.waiting.discard(seq)
             self.sleeping.discard(seq)
         self.kv.free(seq)
+        if seq.request.beams is not None:  # a live beam ended outside its round: kept as is
+            seq.request.beams.end(seq, str(reason))
         self.speculator.forget(seq)
         self._preempted_at.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED

@@ -34,7 +34,7 @@ def llm(tiny) -> LLM:
     return LLM(str(tiny[0]), **SMALL)
 
 
-def _hf_beams(model, prompt: list[int], width: int, max_tokens: int) -> list[list[int]]:
+def hf_beams(model, prompt: list[int], width: int, max_tokens: int) -> list[list[int]]:
     """transformers' beam search, every beam to full length (no EOS), best first."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), num_beams=width,
@@ -54,7 +54,7 @@ def test_beams_equal_transformers_num_beams(llm, tiny, width):
                                                ignore_eos=True))
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         ours = [beam.tokens[len(prompt):] for beam in output.sequences]
-        assert ours == _hf_beams(tiny[1], prompt, width, max_tokens)
+        assert ours == hf_beams(tiny[1], prompt, width, max_tokens)
         assert all(beam.finish_reason == "length" for beam in output.sequences)
     assert not llm.engine.has_unfinished_requests()
 

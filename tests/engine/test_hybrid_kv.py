@@ -26,7 +26,7 @@ from kvpool.model.hf_config import config_from_hf
 from kvpool.model.loaders import load_model
 from tests.engine.conftest import run_all, token_ids
 from tests.memory.pool_checks import assert_view_matches_pool
-from tests.model.test_architectures import greedy_hf, save_tiny
+from tests.model.test_architectures import greedy_hf, hf_logits_at, save_tiny
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -310,3 +310,55 @@ def test_quantized_kv_gives_the_same_tokens_with_the_hybrid_manager_on_and_off(
         assert engine.stats().num_preemptions > 0
         finish(engine)
     assert outputs[True] == outputs[False]
+
+
+def plain_beams(hf_model, prompt: list[int], width: int, max_tokens: int) -> list[list[int]]:
+    """The textbook beam search on the plain model, one full forward per beam and token (no
+    KV cache; transformers' `generate` diverges from the plain model on these sliding-window
+    configurations, see `greedy_hf`): each round keeps the `width` best of every beam's
+    continuations by summed log probability. Best first."""
+    beams = [(0.0, list(prompt))]
+    for _ in range(max_tokens):
+        candidates = []
+        for score, tokens in beams:
+            logprobs = torch.log_softmax(hf_logits_at(hf_model, tokens, [len(tokens) - 1])[0], -1)
+            top = torch.topk(logprobs, 2 * width)
+            candidates += [(score + value, [*tokens, token])
+                           for value, token in zip(top.values.tolist(), top.indices.tolist(),
+                                                   strict=True)]
+        beams = sorted(candidates, key=lambda beam: beam[0], reverse=True)[:width]
+    return [tokens[len(prompt):] for _, tokens in beams]
+
+
+@pytest.mark.parametrize("options", [{}, {"num_gpu_blocks": 26}], ids=["roomy", "tight"])
+def test_beams_fork_in_every_group_and_equal_the_plain_models(checkpoint, options):
+    """Beam search forks a hybrid model's tables (sliding-window groups included): on and off,
+    roomy or tight (26 blocks: beams preempt and sleep), every beam equals the plain model's."""
+    loaded, hf_model = checkpoint
+    width, max_tokens = 3, 8
+    workload = prompts()[1:3]  # 37 and 90 tokens: past the window
+    expected = [plain_beams(hf_model, prompt, width, max_tokens) for prompt in workload]
+    params = SamplingParams(n=width, use_beam_search=True, temperature=0,
+                            max_tokens=max_tokens, ignore_eos=True)
+    for hybrid in (True, False):
+        engine = engine_over(loaded, disable_hybrid_kv_cache_manager=not hybrid, **options)
+        outputs = run_all(engine, workload, params)
+        beams = [[list(beam.token_ids) for beam in output.outputs] for output in outputs]
+        assert beams == expected, hybrid
+        finish(engine)
+
+
+def test_a_sleeping_beam_that_outgrows_the_pool_ends_and_the_search_ends(checkpoint):
+    """24 blocks hold 96 tokens without the hybrid manager; beams of a 90-token prompt that
+    grow while asleep (no room is checked for a sleeping beam) would wait forever for room
+    that cannot exist: they end at "length" instead, recorded as beams, and the pool idles."""
+    loaded, _ = checkpoint
+    engine = engine_over(loaded, disable_hybrid_kv_cache_manager=True, num_gpu_blocks=24)
+    params = SamplingParams(n=3, use_beam_search=True, temperature=0, max_tokens=8,
+                            ignore_eos=True)
+    outputs = run_all(engine, prompts()[1:3], params)
+    assert all(len(output.outputs) == 3 for output in outputs)
+    beams = [beam for output in outputs for beam in output.outputs]
+    assert {beam.finish_reason for beam in beams} == {"length"}
+    assert any(len(beam.token_ids) < 8 for beam in beams)
+    finish(engine)

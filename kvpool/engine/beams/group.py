@@ -126,11 +126,14 @@ class BeamGroup:
         return True
 
     def end(self, seq: Sequence, finish_reason: str) -> None:
-        """A live beam stops where it is (its length ran out, or its request was aborted)."""
-        beam = self.beams.pop(seq, Beam())
+        """A live beam stops where it is: its length ran out (`max_tokens`, the model's, the
+        whole pool's), or its request was aborted. A sequence that is no live beam (pruned, or
+        never expanded) is no beam to keep."""
         self.rows.pop(seq, None)
-        self.finished.append(FinishedBeam(tuple(seq.output_token_ids), beam, finish_reason,
-                                          False))
+        beam = self.beams.pop(seq, None)
+        if beam is not None:
+            self.finished.append(FinishedBeam(tuple(seq.output_token_ids), beam,
+                                              finish_reason, False))
 
     def best(self, n: int) -> list[FinishedBeam]:
         """The `n` best finished beams by vLLM's length-penalised score, best first."""

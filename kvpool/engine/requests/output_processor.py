@@ -197,12 +197,9 @@ class OutputProcessor:
 
     def _beam_completions(self, request: Request) -> list[CompletionOutput]:
         """A finished beam search's n best beams, best first (an aborted one's live beams
-        count as they stood)."""
-        beams = request.beams
-        for seq in list(beams.beams):
-            beams.end(seq, str(seq.finish_reason or FinishReason.ABORT))
+        count as they stood: `Scheduler.finish` recorded them)."""
         return [self._beam_completion(index, done, request.params)
-                for index, done in enumerate(beams.best(request.params.n))]
+                for index, done in enumerate(request.beams.best(request.params.n))]
 
     def _beam_completion(self, index: int, done: FinishedBeam,
                          params: SamplingParams) -> CompletionOutput:
