@@ -195,20 +195,12 @@ class Scheduler:
             parked = [seq for seq in self.running if not seq.num_uncomputed_tokens]
             if not parked:
                 break
-            self._put_to_sleep(parked[-1], output)
+            # Asleep, outside both queues: not re-admitted to compute the row it has; its
+            # round queues it again with its new token. (Dropped, never swapped: a sequence
+            # with nothing left to compute is not.)
+            self._preempt(parked[-1], output, asleep=True)
             token_budget = self._schedule_waiting(token_budget, output)
         return token_budget
-
-    def _put_to_sleep(self, seq: Sequence, output: SchedulerOutput) -> None:
-        """A parked beam gives its KV up and sleeps until its round: outside both queues (so
-        it is not re-admitted to compute the row it has), queued again with its new token."""
-        self.num_preemptions += 1
-        self.num_recomputed_tokens += seq.num_computed_tokens
-        self.kv.preempt(seq)  # dropped, never swapped: it has nothing left to compute
-        self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
-        self.sleeping.add(seq)
-        output.preempted.append(seq)
 
     def _chunk(self, seq: Sequence, token_ids: list[int]) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -251,14 +243,21 @@ class Scheduler:
         steps = self._preempted_at.get(seq.seq_id, ())
         return len(steps) == 2 and self._num_schedules - steps[0] < HYSTERESIS_STEPS
 
-    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, output: SchedulerOutput, asleep: bool = False) -> None:
+        """Take `seq`'s KV off the device; it waits again, or (a beam awaiting its round)
+        sleeps."""
         self.num_preemptions += 1
         num_computed = seq.num_computed_tokens
         if self.kv.preempt(seq) == RECOMPUTE:
             self.num_recomputed_tokens += num_computed
         steps = self._preempted_at.get(seq.seq_id, ())
         self._preempted_at[seq.seq_id] = (*steps[-1:], self._num_schedules)
-        self._requeue(seq)
+        if asleep:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.sleeping.add(seq)
+        else:
+            self._requeue(seq)
         output.preempted.append(seq)
 
     def _schedule_waiting(self, token_budget: int, output: SchedulerOutput) -> int:
@@ -447,6 +446,8 @@ class Scheduler:
                 assert is_waiting != (seq in self.sleeping), f"sequence {seq.seq_id} is lost"
                 assert table.num_blocks == 0
                 assert seq.num_computed_tokens == 0 or self.kv.is_swapped(seq)
+            if seq.request.beams is not None:
+                seq.request.beams.check_invariants()
 
 
 def _num_seats(seq: Sequence) -> int:

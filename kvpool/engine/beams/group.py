@@ -17,9 +17,10 @@ A beam that reaches `max_tokens` or the model's length is finished with its KV f
 Ranking (vLLM's): `cum_logprob / len(prompt + generated) ** length_penalty`, a final EOS not
 counted. Ties keep the earlier candidate (live beams in fork order, a row's tokens by rank).
 
-Invariants: `beams` holds exactly the request's live (unfinished) sequences that have been
-expanded at least once; every `rows` key is a live sequence; `len(beams) + len(finished)`
-never exceeds `width` after a round.
+Invariants (`check_invariants`): every sequence in `beams` or `rows` is live (unfinished);
+`rows` holds only sequences of `beams`, or the request's first before its first round;
+at most `width` beams live (finished ones accumulate: each round keeps `width` candidates,
+as vLLM's does).
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ from typing import Protocol
 from kvpool.engine.requests.outputs import Logprob
 
 
-class Sequence(Protocol):
+class BeamSequence(Protocol):
     """What a beam reads of its sequence (`kvpool.engine.sequence.Sequence`); beams are keyed
     by the sequence object itself."""
 
     output_token_ids: list[int]
+
+    @property
+    def is_finished(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Beam:
 class Child:
     """A kept continuation: `token_id` appended to `parent`, scored `beam`."""
 
-    parent: Sequence
+    parent: BeamSequence
     token_id: int
     beam: Beam
 
@@ -75,28 +79,28 @@ class BeamGroup:
     prompt_len: int
     max_tokens: int | None
     max_model_len: int
-    beams: dict[Sequence, Beam] = field(default_factory=dict)  # live sequence -> its score
-    rows: dict[Sequence, dict[int, Logprob]] = field(default_factory=dict)
+    beams: dict[BeamSequence, Beam] = field(default_factory=dict)  # live sequence -> its score
+    rows: dict[BeamSequence, dict[int, Logprob]] = field(default_factory=dict)
     finished: list[FinishedBeam] = field(default_factory=list)
 
     @property
     def has_expanded(self) -> bool:
         return bool(self.beams or self.finished)
 
-    def offer(self, seq: Sequence, logprobs: dict[int, Logprob]) -> None:
+    def offer(self, seq: BeamSequence, logprobs: dict[int, Logprob]) -> None:
         """`seq` computed its last token; `logprobs` is the row its next token comes from."""
         self.rows[seq] = logprobs
 
-    def is_ready(self, live: Iterable[Sequence]) -> bool:
+    def is_ready(self, live: Iterable[BeamSequence]) -> bool:
         """Every live beam (`live`: the request's unfinished sequences) has offered its row."""
         return all(seq in self.rows for seq in live)
 
-    def expand(self, live: list[Sequence]) -> dict[Sequence, list[Child]]:
+    def expand(self, live: list[BeamSequence]) -> dict[BeamSequence, list[Child]]:
         """One round: each live parent (in `live`'s order) and its kept children, best
         first; finished candidates are recorded. The rows are used up."""
         candidates = [child for seq in live for child in self._children(seq)]
         candidates.sort(key=lambda child: child.beam.cum_logprob, reverse=True)  # stable
-        plan: dict[Sequence, list[Child]] = {seq: [] for seq in live}
+        plan: dict[BeamSequence, list[Child]] = {seq: [] for seq in live}
         for child in candidates[: self.width]:
             if child.token_id in self.eos_token_ids and not self.ignore_eos:
                 tokens = (*child.parent.output_token_ids, child.token_id)
@@ -107,14 +111,14 @@ class BeamGroup:
         self.beams.clear()
         return plan
 
-    def _children(self, seq: Sequence) -> list[Child]:
+    def _children(self, seq: BeamSequence) -> list[Child]:
         """`seq` extended by each token of its row."""
         parent, row = self.beams.get(seq, Beam()), self.rows[seq]
         return [Child(seq, token_id, Beam(parent.cum_logprob + entry.logprob,
                                           (*parent.logprobs, row)))
                 for token_id, entry in row.items()]
 
-    def continue_as(self, seq: Sequence, beam: Beam) -> bool:
+    def continue_as(self, seq: BeamSequence, beam: Beam) -> bool:
         """`seq` (its token appended) goes on as `beam`; False if it has reached its length
         (`max_tokens` or the model's), and so ended."""
         self.beams[seq] = beam
@@ -125,7 +129,7 @@ class BeamGroup:
             return False
         return True
 
-    def end(self, seq: Sequence, finish_reason: str) -> None:
+    def end(self, seq: BeamSequence, finish_reason: str) -> None:
         """A live beam stops where it is: its length ran out (`max_tokens`, the model's, the
         whole pool's), or its request was aborted. A sequence that is no live beam (pruned, or
         never expanded) is no beam to keep."""
@@ -142,3 +146,9 @@ class BeamGroup:
             return done.beam.cum_logprob / length ** self.length_penalty
 
         return sorted(self.finished, key=score, reverse=True)[:n]
+
+    def check_invariants(self) -> None:
+        """Assert the module docstring's invariants."""
+        assert all(not seq.is_finished for seq in (*self.beams, *self.rows)), "a dead beam"
+        assert self.beams.keys() >= self.rows.keys() or not self.has_expanded
+        assert len(self.beams) <= self.width
