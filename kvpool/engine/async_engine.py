@@ -49,6 +49,11 @@ class EngineError(RuntimeError):
     """The engine failed this request (a step raised), not the request's own input."""
 
 
+class RequestFailedError(EngineError):
+    """One request failed where others go on (its KV load, under kv_load_failure_policy
+    "fail"); the message says why."""
+
+
 class EngineClosedError(RuntimeError):
     """The engine is shutting down (or its thread has died) and takes no new requests."""
 
@@ -292,7 +297,7 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.put(output)
+            stream.put(output if output.error is None else RequestFailedError(output.error))
             if output.finished:
                 del self._streams[output.request_id]
         self._update_no_requests()
@@ -308,7 +313,8 @@ class AsyncLLMEngine:
                 self._unhealthy_reason = "aborting a failed request raised"
         self._streams.clear()
         self._update_no_requests()
-        if self.engine.memory_stats().num_used_blocks != 0:
+        # Leased blocks are a transfer's, not a request's: they go back when the lease ends.
+        if self.engine.memory_stats().num_used_blocks != self.engine.kv_connector.num_held_blocks:
             self._unhealthy_reason = "KV blocks stayed in use after every request was aborted"
 
     def _stop(self) -> None:

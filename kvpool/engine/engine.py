@@ -27,7 +27,14 @@ finishes the copies and the disk's writes.
 
 KV memory (`KVMemory`) resizes (an elastic pool grows or migrates blocks and shrinks) only at
 the top of a step, before anything is scheduled: no slot mapping or block copy is in flight
-then. At start-up a dummy batch warms the engine up (`kvpool.engine.warmup`), then every
+then. With `kv_transfer_config` (disaggregated prefill and decode: `kvpool.engine.kv_connector`), a
+prefill worker's finished request leases its prompt's blocks to a decode worker and its output
+names them (`kv_transfer_params`); a decode worker's request first loads those blocks into its
+prefix cache on a worker thread and is scheduled once they are in (`_take_loaded`), or, the
+load failed, computes its prompt itself or fails (`kv_load_failure_policy`). Without it the
+connector is `NoKVConnector`, which refuses kv_transfer_params.
+
+At start-up a dummy batch warms the engine up (`kvpool.engine.warmup`), then every
 counter is reset.
 
 The engine holds its parts and nothing derived from them: the model's parts (`EngineParts`:
@@ -44,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine_stats import EngineStats, PhaseClock, StepStats
+from kvpool.engine.kv_connector.factory import make_kv_connector
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.memory_stats import MemoryStats
 from kvpool.engine.observability.recorder import KVRecorder
@@ -71,6 +79,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMEngine", "PromptInput"]
 
+LOAD_WAIT_SECONDS = 0.02  # a step with nothing to run waits this long for a KV load at most
+
 
 class LLMEngine:
     """Requests in, one batched step at a time, outputs out (module docstring)."""
@@ -86,13 +96,15 @@ class LLMEngine:
             self._scheduler_config(), self._kv_manager(), stop_checker=self.outputs,
             speculator=make_speculator(config.scheduling.speculative_config, self.max_model_len))
         self.sampler = Sampler(config.load.seed)
+        self.kv_connector = make_kv_connector(config.parallel.kv_transfer_config,
+                                              parts.kv_memory, config.load.model)
         self.requests: dict[str, Request] = {}
         self.step_stats = StepStats()
         self.kv_recorder: KVRecorder | None = None  # --kv-trace: after the warm-up, not in it
         self.kv_events: KVEventLog | None = None  # kv_events_config: after the warm-up too
         # Finishes the tiers' copies and writes, then stops tensor parallelism's other ranks:
         # at close(), when the engine is collected, or at exit, whichever comes first.
-        closers = [parts.kv_memory.tiers.close]
+        closers = [self.kv_connector.close, parts.kv_memory.tiers.close]
         if parts.workers is not None:
             closers.append(parts.workers.close)
         self._close = weakref.finalize(self, _close_all, closers)
@@ -203,11 +215,14 @@ class LLMEngine:
         ahead, off the step loop, do: the async engine, the server)."""
         request, block_hashes = self.intake.make_request(prompt, params, request_id, priority,
                                                          cache_salt, self.requests)
+        self.kv_connector.accept(request)
         self.kv_memory.listeners.request_arrived(request.request_id,
                                                  len(request.prompt_token_ids),
                                                  request.params.n, block_hashes)
-        self.scheduler.add_request(request, block_hashes)
         self.requests[request.request_id] = request
+        # A prompt computed elsewhere is scheduled once its KV is loaded (`_take_loaded`).
+        if not self.kv_connector.start_load_kv(request, block_hashes, time.monotonic()):
+            self.scheduler.add_request(request, block_hashes)
         self.step_stats.num_prompt_tokens += len(request.prompt_token_ids)
         return request
 
@@ -219,12 +234,13 @@ class LLMEngine:
             return None
         for seq in request.sequences:
             self.scheduler.finish(seq, FinishReason.ABORT)
+        self.kv_connector.abort(request_id)
         request.finish_time = time.monotonic()
         self._tell_finished(request, FinishReason.ABORT)
         return self.outputs.make_output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.kv_connector.has_pending
 
     def request_counts(self) -> tuple[int, int]:
         """(running requests, waiting requests)."""
@@ -236,16 +252,39 @@ class LLMEngine:
         kind hands one out now)."""
         clock = self._start_step()
         started = clock.last
-        batch = self.scheduler.schedule()
+        failed = self._take_loaded(started)  # requests whose KV load failed, policy "fail"
+        batch = self._schedule()
         clock.lap("schedule")
-        sampled = self._execute_and_sample(batch, clock)
-        changed = self.scheduler.update(batch, sampled)
+        changed = self.scheduler.update(batch, self._execute_and_sample(batch, clock))
         clock.lap("sample")
         self.scheduler.speculator.observe_step(batch.chunks, clock.last - started)
-        outputs = self._make_outputs(changed)
+        outputs = self._make_outputs([*failed, *changed])
         self.kv_memory.listeners.step_ended(self.step_stats.num_steps)
         clock.lap("output")
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The step's batch; an empty one while KV loads run waits a moment for one."""
+        batch = self.scheduler.schedule()
+        if not batch.chunks and self.kv_connector.has_pending:
+            self.kv_connector.wait_for_load(LOAD_WAIT_SECONDS)
+        return batch
+
+    def _take_loaded(self, now: float) -> list[Request]:
+        """Requests whose KV load ended join the scheduler (loaded, or to compute their prompt
+        here: kv_load_failure_policy "recompute"); those the policy fails are returned,
+        finished with their error."""
+        failed = []
+        policy = self.config.parallel.kv_transfer_config
+        for loaded in self.kv_connector.get_finished(now):
+            request = loaded.request
+            if loaded.error is not None and policy.kv_load_failure_policy == "fail":
+                request.error = f"loading the prompt's KV from the prefill worker failed: " \
+                                f"{loaded.error}"
+                failed.append(request)
+            else:
+                self.scheduler.add_request(request, loaded.block_hashes)
+        return failed
 
     def _start_step(self) -> PhaseClock:
         """Set the CPU threads, stamp the pools' clocks and resize KV memory, before anything
@@ -281,7 +320,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for request in changed:
-            if request.sequences[0].output_token_ids:
+            if request.sequences and request.sequences[0].output_token_ids:
                 request.record_new_tokens(now)
             if request.is_finished:
                 request.finish_time = now
@@ -295,16 +334,24 @@ class LLMEngine:
     def _tell_finished(self, request: Request, why: FinishReason | None = None) -> None:
         """The listeners hear of a finished request: its longest completion's length and
         (unless `why` says, e.g. abort) that completion's finish reason."""
-        longest = max(request.sequences, key=lambda seq: len(seq.output_token_ids))
-        reason = why if why is not None else longest.finish_reason
-        self.kv_memory.listeners.request_finished(request.request_id,
-                                                  len(longest.output_token_ids), str(reason))
+        if why is None and request.error is None:
+            request.kv_transfer_params = self.kv_connector.request_finished(request,
+                                                                            time.monotonic())
+        longest = max(request.sequences, key=lambda seq: len(seq.output_token_ids),
+                      default=None)
+        reason = why if why is not None or longest is None else longest.finish_reason
+        num_output_tokens = 0 if longest is None else len(longest.output_token_ids)
+        self.kv_memory.listeners.request_finished(request.request_id, num_output_tokens,
+                                                  str(reason or "error"))
 
     # ------------------------------------------------------------ KV pool
     def resize_kv_pool(self) -> None:
-        """Let KV memory grow or give memory back now. `step()` does this first; an idle
-        server loop may call it between steps so that idle memory is still given back."""
-        self.kv_memory.maybe_resize(time.monotonic(), self._live_block_tables())
+        """Let KV memory grow or give memory back now: leases released or expired end (their
+        blocks go back), then an elastic pool resizes. `step()` does this first; an idle
+        server loop calls it between steps so that idle memory is still given back."""
+        now = time.monotonic()
+        self.kv_connector.tick(now)
+        self.kv_memory.maybe_resize(now, self._live_block_tables())
         if self.kv_events is not None:  # a shrink's evictions, published even when idle
             self.kv_events.drain()
 

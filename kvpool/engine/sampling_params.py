@@ -17,6 +17,7 @@ import copy
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.structured_outputs import StructuredOutputsParams
@@ -103,6 +104,10 @@ class SamplingParams:
     use_beam_search: bool = False
     best_of: int | None = None  # beams searched (default n); the n best come back
     length_penalty: float = 1.0
+    # vLLM's extra_args; the engine reads "kv_transfer_params" there (disaggregated serving:
+    # `kvpool.engine.kv_connector.params`) and ignores other keys, as vLLM leaves them to
+    # custom code.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._normalize()

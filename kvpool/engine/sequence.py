@@ -150,6 +150,12 @@ class Request:
     last_token_time: float | None = None
     finish_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)  # not yet handed out
+    # Disaggregated serving (`kvpool.engine.kv_connector`): what its kv_transfer_params ask
+    # (RemoteDecode / RemotePrefill, read by the connector at intake), what its output hands
+    # on (a producer's handover), and why it failed (a load under policy "fail").
+    kv_transfer: object | None = None
+    kv_transfer_params: dict | None = None
+    error: str | None = None
 
     def record_new_tokens(self, now: float) -> None:
         """A step that ended at `now` gave this request new tokens: the first such step sets

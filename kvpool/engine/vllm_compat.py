@@ -149,9 +149,6 @@ VLLM_ARGS: tuple[VLLMArg, ...] = (
             "None"),
     VLLMArg("enable_lora", (False,), "no LoRA adapters",
             "kvpool has no LoRA adapters; enable_lora must be False", bool),
-    VLLMArg("kv_transfer_config", (None,), "no KV transfer between engines",
-            "kvpool moves KV through its own tiers (swap_space, kv_disk_cache, kv_shared_redis); "
-            "kv_transfer_config must be None", str),
     VLLMArg("enable_sleep_mode", (False,), "no sleep mode",
             "kvpool has no sleep mode; enable_sleep_mode must be False", bool),
 )

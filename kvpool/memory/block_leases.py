@@ -233,6 +233,10 @@ class BlockLeases:
             self._ended.popitem(last=False)
 
     # -------------------------------------------------------------- reporting
+    def live_lease(self, lease_id: str) -> Lease | None:
+        """The live lease `lease_id`, or None (never granted, or ended)."""
+        return self._live.get(lease_id)
+
     def live_leases(self) -> list[Lease]:
         """The live leases, oldest grant first."""
         return list(self._live.values())

@@ -102,6 +102,8 @@ class SamplingFields(RequestModel):
     priority: Int64 = 0  # lower runs earlier
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # Disaggregated serving, as vLLM's proxy sends it (`kvpool.engine.kv_connector.params`).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -240,6 +242,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill worker's handover (vLLM's)
 
 
 class TopLogprob(BaseModel):
@@ -279,6 +282,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # vLLM puts them on the response
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill worker's handover (vLLM's)
 
 
 class DeltaFunctionCall(BaseModel):

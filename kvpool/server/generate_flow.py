@@ -19,7 +19,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvpool.engine.async_engine import EngineClosedError, EngineError
+from kvpool.engine.async_engine import EngineClosedError, EngineError, RequestFailedError
 from kvpool.engine.errors import InvalidRequestError
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.openai.errors import OpenAIError, bad_request
@@ -111,4 +111,6 @@ def engine_failure(error: Exception) -> OpenAIError:
     """The error a request gets when the engine stopped under it."""
     if isinstance(error, EngineClosedError):
         return OpenAIError(503, "the request was aborted: the server is shutting down")
+    if isinstance(error, RequestFailedError):  # its KV never came from the prefill worker
+        return OpenAIError(502, str(error))
     return OpenAIError(500, "the engine failed while running this request")

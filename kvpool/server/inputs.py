@@ -115,6 +115,9 @@ def _checked_prompt_list(request: CompletionRequest, config: ServerConfig
         raise bad_request("prompt must not be empty", "prompt")
     if len(prompts) > config.max_prompts:
         raise bad_request(f"at most {config.max_prompts} prompts per request", "prompt")
+    if len(prompts) > 1 and request.kv_transfer_params is not None:
+        raise bad_request("kv_transfer_params hands over one prompt's KV: send one prompt",
+                          "kv_transfer_params")
     return prompts
 
 
@@ -190,6 +193,8 @@ def sampling_params(
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         **{name: value for name, value in given.items() if value is not None},
+        "extra_args": ({"kv_transfer_params": request.kv_transfer_params}
+                       if request.kv_transfer_params is not None else None),
         **computed,
     }
     try:

@@ -184,7 +184,7 @@ def completion_response(
             ))
     choices.sort(key=lambda choice: choice.index)
     return Completion(id=response_id, created=created, model=model, choices=choices,
-                      usage=usage(outputs))
+                      usage=usage(outputs), kv_transfer_params=outputs[0].kv_transfer_params)
 
 
 def chat_response(
@@ -203,7 +203,8 @@ def chat_response(
         for message, reason in [chat_message(completion, inputs)]
     ]
     return ChatCompletion(id=response_id, created=created, model=model, choices=choices,
-                          usage=usage([output]), prompt_logprobs=prompt_logprobs_body(output))
+                          usage=usage([output]), prompt_logprobs=prompt_logprobs_body(output),
+                          kv_transfer_params=output.kv_transfer_params)
 
 
 def chat_message(completion: CompletionOutput, inputs: EngineInputs

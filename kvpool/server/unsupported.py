@@ -46,7 +46,6 @@ _BOTH = (
                 "only spaces_between_special_tokens true is supported", (True,)),
     Unsupported("watermarking", "watermarking is not supported", (False,)),
     Unsupported("prompt_embeds", "prompt_embeds is not supported"),
-    Unsupported("kv_transfer_params", "kv_transfer_params is not supported"),
     Unsupported("ec_transfer_params", "ec_transfer_params is not supported"),
     Unsupported("vllm_xargs", "vllm_xargs is not supported"),
     Unsupported("repetition_detection", "repetition_detection is not supported"),

@@ -83,6 +83,22 @@ class EngineConfig:
             raise ValueError("kv_shared_redis shares prefix blocks: it needs "
                              "enable_prefix_caching")
         self._check_tensor_parallel()
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        """A KV connector finds and publishes handed-over blocks through the prefix cache,
+        and registers one fixed set of KV tensors with its transport."""
+        if self.parallel.kv_transfer_config is None:
+            return
+        unsupported = {
+            "enable_prefix_caching=False": not self.cache.enable_prefix_caching,
+            "kv_pool='elastic'": self.cache.kv_pool == "elastic",
+            "tensor_parallel_size > 1": self.parallel.tensor_parallel_size > 1,
+        }
+        for option, given in unsupported.items():
+            if given:
+                raise ValueError(f"kv_transfer_config does not support {option} (handed-over "
+                                 "blocks go through the prefix cache of one static KV pool)")
 
     def _check_tensor_parallel(self) -> None:
         """Refuse, naming the option, what tp > 1 does not support yet (the model's shapes

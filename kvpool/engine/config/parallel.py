@@ -1,12 +1,14 @@
-"""Tensor parallelism (`kvpool.engine.parallel`): how many ranks, how long a collective may
-wait, and how finely row-parallel all-reduces overlap the matmuls."""
+"""Work split over processes: tensor parallelism (`kvpool.engine.parallel`: how many ranks,
+how long a collective may wait, how finely row-parallel all-reduces overlap the matmuls) and
+disaggregated prefill and decode (`kv_transfer_config`: `kvpool.engine.kv_connector`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvpool.engine.config.options import option
+from kvpool.engine.config.options import option, parse_json_object
+from kvpool.engine.kv_connector.config import KVTransferConfig
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class ParallelConfig:
     multiplied. What tp > 1 does not support yet is refused by `EngineConfig`, which sees the
     other sections."""
 
-    TITLE: ClassVar[str] = "tensor parallelism (kvpool.engine.parallel)"
+    TITLE: ClassVar[str] = "tensor parallelism and disaggregated serving"
 
     tensor_parallel_size: int = option(
         1, "split the model over this many ranks (spawned worker processes, or torchrun's "
@@ -30,8 +32,14 @@ class ParallelConfig:
     tensor_parallel_overlap_chunks: int = option(
         1, "all-reduce each row-parallel layer's output in this many pieces, each in flight "
         "while the next is computed (1: one all-reduce, no overlap)")
+    kv_transfer_config: KVTransferConfig | None = option(
+        None, 'hand KV between prefill and decode engines, as vLLM does: \'{"kv_connector": '
+        '"MooncakeConnector", "kv_role": "kv_producer"}\' (or "kv_consumer"); see '
+        "docs/scale-out.md", parser=parse_json_object, metavar="JSON")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_transfer_config",
+                           KVTransferConfig.from_value(self.kv_transfer_config))
         for name in ("tensor_parallel_size", "tensor_parallel_overlap_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -11,7 +11,15 @@ from typing import Literal
 #   checksum  bytes arrived but differ from what the sender holds
 #   closed    the transport was closed, or never started
 #   protocol  the peer refused a request, or answered what this version does not understand
-FailureReason = Literal["timeout", "failed", "checksum", "closed", "protocol"]
+#   lease     the producer's lease on the blocks ended (released, expired) or a block changed
+#   prompt    the handed-over blocks hold another prompt than the request's
+#   no_room   the consumer had no free blocks to load into
+#   incompatible  the peers' KV differs (model, layout, version: `IncompatibleKVError`)
+FailureReason = Literal["timeout", "failed", "checksum", "closed", "protocol", "lease",
+                        "prompt", "no_room", "incompatible"]
+FAILURE_REASONS: tuple[FailureReason, ...] = ("timeout", "failed", "checksum", "closed",
+                                              "protocol", "lease", "prompt", "no_room",
+                                              "incompatible")
 
 
 class KVTransferError(RuntimeError):

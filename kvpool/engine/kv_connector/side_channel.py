@@ -1,15 +1,21 @@
-"""The side channel: a ZMQ REQ/REP pair that carries engine descriptors and block checksums,
-the small messages around the bulk transfers that go through the transfer engine.
+"""The side channel: a ZMQ REQ/REP pair that carries engine descriptors and the lease traffic
+around the bulk transfers (which go through the transfer engine).
 
-    client (e.g. the decode engine)                 SideChannelServer (e.g. the prefill engine)
+    client (the decode engine)                          SideChannelServer (the prefill engine)
     handshake(endpoint, local) ── hello {descriptor} ──▶ check_compatible: admit to `peers`
       check_compatible(local, remote) ◀── {descriptor} ──
-    fetch_checksums(endpoint, ids) ── checksums {block_ids} ──▶ block_checksums(its KV, ids)
+    check_lease(endpoint, lease, pairs) ── check ──▶ gate.check: the lease live, pairs current
+    (the client reads the blocks through the transfer engine)
+    fetch_checksums(endpoint, lease, pairs) ── checksums ──▶ gate.checksums (checked again)
                                    ◀── {checksums} ──
+    release_lease(endpoint, lease) ── release ──▶ gate.release_later
 
-Messages are JSON objects; an answer is either the result or `{"error": text}`. Both sides check
-compatibility: the client raises `IncompatibleKVError`; the server answers with its descriptor
-all the same (so the client can name the mismatch) but admits only compatible peers.
+Messages are JSON objects; an answer is either the result or `{"error": text, "reason": r}`
+(r a `KVTransferError` reason, raised as such by the client). Both sides check compatibility:
+the client raises `IncompatibleKVError`; the server answers with its descriptor all the same
+(so the client can name the mismatch) but admits only compatible peers. Block checksums are
+served only through the gate (`kvpool.engine.kv_connector.producer.KVProducer`), for blocks a
+live lease holds: the channel never reads a block no lease covers.
 
 Every request uses a fresh REQ socket with LINGER 0 and waits at most `timeout_seconds`, so a
 peer that is gone or stopped costs one `KVTransferError` ("timeout") and never wedges the next
@@ -23,14 +29,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 import zmq
 
-from kvpool.engine.kv_connector.checksums import block_checksums
-from kvpool.engine.kv_connector.errors import IncompatibleKVError, KVTransferError
+from kvpool.engine.kv_connector.errors import FAILURE_REASONS, IncompatibleKVError, KVTransferError
 from kvpool.engine.kv_connector.handshake import EngineDescriptor, check_compatible
 
 logger = logging.getLogger(__name__)
@@ -40,14 +45,25 @@ BIND_TIMEOUT_SECONDS = 10.0
 POLL_MS = 100  # how often the server's thread looks at its stop flag
 
 
-class SideChannelServer:
-    """Answers peers' hellos with `descriptor` and their checksum requests over `tensors`
-    (this engine's registered KV, block-major) on tcp://host:port (0: a free port)."""
+class LeaseGate(Protocol):
+    """What the server asks before touching leased blocks (`KVProducer`)."""
 
-    def __init__(self, descriptor: EngineDescriptor, tensors: Sequence[torch.Tensor],
+    def check(self, lease_id: str, pairs: Sequence[tuple[int, int]], now: float) -> None: ...
+
+    def checksums(self, lease_id: str, pairs: Sequence[tuple[int, int]],
+                  now: float) -> list[int]: ...
+
+    def release_later(self, lease_id: str) -> None: ...
+
+
+class SideChannelServer:
+    """Answers peers' hellos with `descriptor` and their lease requests through `gate`, on
+    tcp://host:port (0: a free port)."""
+
+    def __init__(self, descriptor: EngineDescriptor, gate: LeaseGate,
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.descriptor = descriptor
-        self._tensors = tuple(tensors)
+        self._gate = gate
         self._peers: dict[str, EngineDescriptor] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -99,14 +115,25 @@ class SideChannelServer:
         """The reply to one request; never raises (REP must answer every request)."""
         try:
             message = json.loads(raw)
-            if message["type"] == "hello":
+            kind = message["type"]
+            if kind == "hello":
                 return self._hello(EngineDescriptor.from_wire(message["descriptor"]))
-            if message["type"] == "checksums":
-                return {"checksums": self._checksums(message["block_ids"])}
-            return {"error": f"unknown message type {message['type']!r}"}
+            if kind == "release":
+                self._gate.release_later(str(message["lease_id"]))
+                return {"released": True}
+            if kind in ("check", "checksums"):
+                pairs = _pairs(message["blocks"])
+                if kind == "check":
+                    self._gate.check(str(message["lease_id"]), pairs, time.monotonic())
+                    return {"live": True}
+                return {"checksums": self._gate.checksums(str(message["lease_id"]), pairs,
+                                                          time.monotonic())}
+            return {"error": f"unknown message type {kind!r}", "reason": "protocol"}
+        except KVTransferError as error:
+            return {"error": str(error), "reason": error.reason}
         except Exception as error:  # a malformed request is the peer's fault, not ours
             logger.warning("side channel: refused a request: %r", error)
-            return {"error": repr(error)}
+            return {"error": repr(error), "reason": "protocol"}
 
     def _hello(self, peer: EngineDescriptor) -> dict[str, Any]:
         try:
@@ -117,13 +144,6 @@ class SideChannelServer:
             with self._lock:
                 self._peers[peer.engine_id] = peer
         return {"descriptor": self.descriptor.to_wire()}
-
-    def _checksums(self, block_ids: list[int]) -> list[int]:
-        num_blocks = self.descriptor.num_blocks
-        bad = [block_id for block_id in block_ids if not 0 <= block_id < num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad} are outside 0..{num_blocks - 1}")
-        return block_checksums(self._tensors, block_ids)
 
 
 def handshake(endpoint: str, local: EngineDescriptor,
@@ -143,16 +163,38 @@ def handshake(endpoint: str, local: EngineDescriptor,
     return remote
 
 
-def fetch_checksums(endpoint: str, block_ids: Sequence[int],
+def check_lease(endpoint: str, lease_id: str, pairs: Sequence[tuple[int, int]],
+                timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+    """KVTransferError ("lease") unless the server's lease holds every (block, generation)."""
+    _request(endpoint, {"type": "check", "lease_id": lease_id, "blocks": [list(p) for p in pairs]},
+             timeout_seconds)
+
+
+def fetch_checksums(endpoint: str, lease_id: str, pairs: Sequence[tuple[int, int]],
                     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> list[int]:
-    """The server's checksums of its blocks `block_ids` (`kvpool.engine.kv_connector.checksums`)."""
-    answer = _request(endpoint, {"type": "checksums", "block_ids": list(block_ids)},
-                      timeout_seconds)
+    """The server's checksums of the leased blocks `pairs` (block id, generation), taken
+    while the lease holds them (`kvpool.engine.kv_connector.checksums`)."""
+    answer = _request(endpoint, {"type": "checksums", "lease_id": lease_id,
+                                 "blocks": [list(p) for p in pairs]}, timeout_seconds)
     checksums = answer.get("checksums")
-    if not isinstance(checksums, list) or len(checksums) != len(block_ids):
+    if not isinstance(checksums, list) or len(checksums) != len(pairs):
         raise KVTransferError("protocol", f"{endpoint} answered {answer!r} to a request for "
-                                          f"{len(block_ids)} checksums")
+                                          f"{len(pairs)} checksums")
     return checksums
+
+
+def release_lease(endpoint: str, lease_id: str,
+                  timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+    """Tell the server its lease is done with (it ends at the server's next engine tick)."""
+    _request(endpoint, {"type": "release", "lease_id": lease_id}, timeout_seconds)
+
+
+def _pairs(blocks: object) -> list[tuple[int, int]]:
+    if not isinstance(blocks, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p)
+            for p in blocks):
+        raise ValueError("blocks must be a list of [block id, generation] pairs")
+    return [(p[0], p[1]) for p in blocks]
 
 
 def _request(endpoint: str, message: dict[str, Any], timeout_seconds: float) -> dict[str, Any]:
@@ -177,6 +219,7 @@ def _request(endpoint: str, message: dict[str, Any], timeout_seconds: float) -> 
     if not isinstance(answer, dict):
         raise KVTransferError("protocol", f"{endpoint} answered {answer!r}")
     if "error" in answer:
-        raise KVTransferError("protocol", f"{endpoint} refused {message['type']}: "
-                                          f"{answer['error']}")
+        reason = answer.get("reason")
+        raise KVTransferError(reason if reason in FAILURE_REASONS else "protocol",
+                              f"{endpoint} refused {message['type']}: {answer['error']}")
     return answer

@@ -193,6 +193,8 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=_take_metrics(request),
             prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=request.kv_transfer_params,
+            error=request.error,
         )
 
     def _beam_completions(self, request: Request) -> list[CompletionOutput]:

@@ -55,6 +55,9 @@ class RequestOutput:
     # With `prompt_logprobs=k`: one entry per prompt token, the first None (see
     # `kvpool.engine.requests.prompt_logprobs`); in the first output (DELTA) or every output.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's: a prefill worker's handover for the decode worker (`kvpool.engine.kv_connector`).
+    kv_transfer_params: dict | None = None
+    error: str | None = None  # set when the request failed (a KV load, policy "fail")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """A KV peer in a process of its own: a plain KV cache filled with known bytes, registered with
-a real `MooncakeTransport` and offered on a real side channel, as a prefill engine would.
+a real `MooncakeTransport` and offered on a real side channel, as a prefill engine would: every
+block is leased under `LEASE_ID` by a real `KVProducer`, so the side channel answers for them.
 
     python -m tests.engine.kv_connector.kv_peer LAYOUT_JSON NUM_BLOCKS SEED MODEL TIMEOUT
 
-Once ready it prints one JSON line (`endpoint`, `rpc_port`); it serves until its stdin closes,
+Once ready it prints one JSON line (`endpoint`, `rpc_port`, `generations`); it serves until its stdin closes,
 then closes both and exits 0. `PeerProcess` starts one and reads that line; `filled_cache` makes
 the same bytes in the test's own process, to compare with what a transfer brought.
 """
@@ -14,21 +15,24 @@ import json
 import select
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from kvpool.engine.kv_connector.mooncake_transport import MooncakeConfig, MooncakeTransport
+from kvpool.engine.kv_connector.producer import KVProducer
 from kvpool.engine.kv_connector.regions import kv_tensors
 from kvpool.engine.kv_connector.side_channel import SideChannelServer
-from kvpool.memory.block_pool import NULL_BLOCK_ID
+from kvpool.memory.block_pool import NULL_BLOCK_ID, BlockPool
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[3]
 READY_TIMEOUT_SECONDS = 120.0
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+LEASE_ID = "peer"  # the lease on every block
 
 
 def filled_cache(layout: KVLayout, num_blocks: int, seed: int) -> KVCache:
@@ -62,6 +66,11 @@ class PeerProcess:
         ready = self._ready_line()
         self.endpoint: str = ready["endpoint"]
         self.rpc_port: int = ready["rpc_port"]
+        self.generations: dict[int, int] = {int(b): g for b, g in ready["generations"].items()}
+
+    def pairs(self, block_ids: list[int]) -> list[tuple[int, int]]:
+        """(block id, generation) of `block_ids` under the peer's lease."""
+        return [(block_id, self.generations[block_id]) for block_id in block_ids]
 
     def _ready_line(self) -> dict:
         readable, _, _ = select.select([self.process.stdout], [], [], READY_TIMEOUT_SECONDS)
@@ -90,9 +99,12 @@ def serve(layout: KVLayout, num_blocks: int, seed: int, model: str, timeout: flo
     with MooncakeTransport(MooncakeConfig(timeout_seconds=timeout)) as transport:
         transport.register(kv_tensors(cache))
         descriptor = transport.describe(f"peer-{seed}", model, layout)
-        with SideChannelServer(descriptor, kv_tensors(cache)) as server:
-            print(json.dumps({"endpoint": server.endpoint, "rpc_port": transport.rpc_port}),
-                  flush=True)
+        pool = BlockPool(num_blocks - 1, layout)
+        producer = KVProducer(pool, kv_tensors(cache), lease_seconds=3600)
+        lease = producer.hand_over(LEASE_ID, pool.allocate(num_blocks - 1), time.monotonic())
+        with SideChannelServer(descriptor, producer) as server:
+            print(json.dumps({"endpoint": server.endpoint, "rpc_port": transport.rpc_port,
+                              "generations": dict(lease.generations)}), flush=True)
             sys.stdin.read()  # until the test closes our stdin
 
 

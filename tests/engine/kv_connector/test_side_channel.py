@@ -1,10 +1,12 @@
-"""The side channel over real ZMQ sockets on loopback (a server thread in this process):
-hellos exchange descriptors and admit only compatible peers, checksum requests are answered
-from the server's KV, and nothing waits past its timeout."""
+"""The side channel over real ZMQ sockets on loopback (a server thread in this process, its gate
+a real `KVProducer` over a block pool): hellos exchange descriptors and admit only compatible
+peers, lease checks and checksums are answered for leased blocks only, a release ends the
+lease at the producer's next tick, and nothing waits past its timeout."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -15,7 +17,15 @@ from kvpool.engine.kv_connector.checksums import block_checksums
 from kvpool.engine.kv_connector.errors import IncompatibleKVError, KVTransferError
 from kvpool.engine.kv_connector.handshake import EngineDescriptor
 from kvpool.engine.kv_connector.regions import kv_tensors, regions_of
-from kvpool.engine.kv_connector.side_channel import SideChannelServer, fetch_checksums, handshake
+from kvpool.engine.kv_connector.producer import KVProducer
+from kvpool.engine.kv_connector.side_channel import (
+    SideChannelServer,
+    check_lease,
+    fetch_checksums,
+    handshake,
+    release_lease,
+)
+from kvpool.memory.block_pool import BlockPool
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
 
@@ -31,9 +41,15 @@ def engine(engine_id: str, layout: KVLayout = LAYOUT) -> tuple[KVCache, EngineDe
 
 @pytest.fixture
 def server() -> Iterator[SideChannelServer]:
+    """The server, its `cache`, its `producer` and `pairs`: blocks 1 and 3 leased as "L"."""
     cache, descriptor = engine("prefill")
-    with SideChannelServer(descriptor, kv_tensors(cache)) as running:
-        running.cache = cache
+    pool = BlockPool(3, LAYOUT)
+    producer = KVProducer(pool, kv_tensors(cache), lease_seconds=3600)
+    block_ids = pool.allocate(3)
+    lease = producer.hand_over("L", [block_ids[0], block_ids[2]], time.monotonic())
+    pool.free(block_ids)  # the lease's references alone hold them now
+    with SideChannelServer(descriptor, producer) as running:
+        running.cache, running.producer, running.pairs = cache, producer, lease.pairs
         yield running
 
 
@@ -55,14 +71,41 @@ def test_an_incompatible_peer_is_refused_on_both_sides(server) -> None:
     assert server.peers == {}
 
 
-def test_checksums_come_from_the_servers_blocks(server) -> None:
-    assert fetch_checksums(server.endpoint, [3, 1]) == block_checksums(
-        kv_tensors(server.cache), [3, 1])
+def test_checksums_come_from_the_servers_leased_blocks(server) -> None:
+    pairs = server.pairs[::-1]
+    check_lease(server.endpoint, "L", pairs)
+    assert fetch_checksums(server.endpoint, "L", pairs) == block_checksums(
+        kv_tensors(server.cache), [block_id for block_id, _ in pairs])
+
+
+@pytest.mark.parametrize(("lease_id", "pair", "refusal"), [
+    ("L", (2, 1), "block not leased"),  # block 2 was never leased: no checksum of it
+    ("L", None, "leased at generation"),  # a generation the lease does not hold
+    ("M", None, "unknown_lease"),
+])
+def test_blocks_outside_a_live_lease_are_refused(server, lease_id, pair, refusal) -> None:
+    block_id, generation = server.pairs[0]
+    pair = pair or (block_id, generation + 1)
+    for ask in (check_lease, fetch_checksums):
+        with pytest.raises(KVTransferError) as caught:
+            ask(server.endpoint, lease_id, [pair])
+        assert caught.value.reason == "lease"
+        assert refusal in str(caught.value)
+
+
+def test_a_release_ends_the_lease_at_the_next_tick(server) -> None:
+    release_lease(server.endpoint, "L")
+    check_lease(server.endpoint, "L", server.pairs)  # still live until the tick
+    assert server.producer.tick(time.monotonic()) == ["L"]
+    with pytest.raises(KVTransferError, match="released") as caught:
+        fetch_checksums(server.endpoint, "L", server.pairs)
+    assert caught.value.reason == "lease"
+    assert server.producer.leases.pool.num_used_blocks == 0
 
 
 def test_a_bad_request_is_refused_and_the_server_goes_on(server) -> None:
-    with pytest.raises(KVTransferError, match="outside") as caught:
-        fetch_checksums(server.endpoint, [1, 4])
+    with pytest.raises(KVTransferError, match="pairs") as caught:
+        fetch_checksums(server.endpoint, "L", [(1, 2, 3)])
     assert caught.value.reason == "protocol"
 
     socket = zmq.Context.instance().socket(zmq.REQ)
@@ -70,7 +113,7 @@ def test_a_bad_request_is_refused_and_the_server_goes_on(server) -> None:
     socket.send(b"not json")
     assert "error" in json.loads(socket.recv())
     socket.close(linger=0)
-    assert len(fetch_checksums(server.endpoint, [1])) == 1
+    assert len(fetch_checksums(server.endpoint, "L", server.pairs[:1])) == 1
 
 
 def test_no_answer_is_a_timeout(server) -> None:
@@ -78,5 +121,5 @@ def test_no_answer_is_a_timeout(server) -> None:
     server.close()
 
     with pytest.raises(KVTransferError, match="no answer") as caught:
-        fetch_checksums(endpoint, [1], timeout_seconds=0.2)
+        fetch_checksums(endpoint, "L", server.pairs, timeout_seconds=0.2)
     assert caught.value.reason == "timeout"
