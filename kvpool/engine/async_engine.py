@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.engine.engine import EngineStats, LLMEngine, PromptInput
+from kvpool.engine.kv_connector.stats import KVTransferStats
 from kvpool.engine.memory_stats import MemoryStats
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.engine.requests.prompt_limits import PromptLimits
@@ -69,6 +70,7 @@ class EngineSnapshot:
     num_requests_running: int
     num_requests_waiting: int
     num_failed_steps: int
+    kv_transfer: KVTransferStats | None = None  # the KV connector's (kv_transfer_config)
 
 
 class AsyncLLMEngine:
@@ -344,6 +346,7 @@ class AsyncLLMEngine:
             num_requests_running=num_running,
             num_requests_waiting=num_waiting,
             num_failed_steps=self._num_failed_steps,
+            kv_transfer=self.engine.kv_connector.stats(),
         )
 
 

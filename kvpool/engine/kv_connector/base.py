@@ -79,6 +79,10 @@ class KVConnectorBase(ABC):
     def stats(self) -> KVTransferStats | None:
         """Transfer counters and leases (None: no connector)."""
 
+    @abstractmethod
+    def leased_block_ids(self) -> dict[int, int]:
+        """Block id -> live leases holding it (a producer's; for the snapshot)."""
+
     @property
     @abstractmethod
     def num_held_blocks(self) -> int:
@@ -125,6 +129,9 @@ class NoKVConnector(KVConnectorBase):
 
     def stats(self) -> KVTransferStats | None:
         return None
+
+    def leased_block_ids(self) -> dict[int, int]:
+        return {}
 
     @property
     def num_held_blocks(self) -> int:

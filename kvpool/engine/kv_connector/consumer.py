@@ -46,6 +46,7 @@ from kvpool.engine.kv_connector.errors import (
     KVTransferError,
 )
 from kvpool.engine.kv_connector.params import RemotePrefill, token_digest
+from kvpool.engine.kv_connector.stats import LatencyHistogram
 from kvpool.engine.sequence import Request
 from kvpool.memory.block_table import BlockTable
 from kvpool.memory.errors import OutOfBlocksError
@@ -100,7 +101,7 @@ class ReceiveStats:
     num_blocks: int = 0
     num_bytes: int = 0
     failures: Counter[FailureReason] = field(default_factory=Counter)
-    seconds: list[float] = field(default_factory=list)  # each load's, until read out
+    seconds: LatencyHistogram = field(default_factory=LatencyHistogram)  # successful loads
 
 
 class KVConsumer:
@@ -221,7 +222,7 @@ class KVConsumer:
             self._held[request.request_id] = load.table
             self.stats.num_blocks += len(load.pairs)
             self.stats.num_bytes += len(load.pairs) * self._bytes_per_block
-            self.stats.seconds.append(time.monotonic() - load.started)
+            self.stats.seconds.observe(time.monotonic() - load.started)
             self._ready.append(Loaded(request, load.block_hashes))
             return
         load.table.free()

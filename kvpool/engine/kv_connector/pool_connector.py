@@ -130,13 +130,13 @@ class PoolKVConnector(KVConnectorBase):
                        "num_leases_expired": leases.num_expired}
         if self.consumer is not None:
             received = self.consumer.stats
-            seconds, received.seconds = received.seconds, []
             fields |= {"num_received_blocks": received.num_blocks,
                        "num_received_bytes": received.num_bytes,
                        "failures": tuple((reason, received.failures[reason])
                                          for reason in FAILURE_REASONS),
                        "num_loading": self.consumer.num_loading,
-                       "load_seconds": tuple(seconds)}
+                       "load_seconds_counts": tuple(received.seconds.counts),
+                       "load_seconds_sum": received.seconds.total}
         return KVTransferStats(**fields)
 
     @property
