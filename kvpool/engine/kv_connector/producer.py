@@ -43,7 +43,7 @@ class KVProducer:
         self._tensors = tuple(tensors)
         self._lock = threading.Lock()
         self._releases: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.num_sent_blocks = 0  # blocks of leases their reader released (read and done)
+        self.num_sent_blocks = 0  # blocks a reader read and had checksummed under its lease
         self.num_sent_bytes = 0
 
     # -------------------------------------------------------- step thread
@@ -62,11 +62,8 @@ class KVProducer:
                     lease_id = self._releases.get_nowait()
                 except queue.Empty:
                     break
-                lease = self.leases.live_lease(lease_id)
-                if lease is not None and self.leases.release(lease_id) is ReleaseOutcome.RELEASED:
+                if self.leases.release(lease_id) is ReleaseOutcome.RELEASED:
                     released.append(lease_id)
-                    self.num_sent_blocks += len(lease.generations)
-                    self.num_sent_bytes += len(lease.generations) * self._bytes_per_block
             self.leases.expire(now)
         return released
 
@@ -88,7 +85,10 @@ class KVProducer:
         KVTransferError ("lease") otherwise."""
         with self._lock:
             self._check(lease_id, pairs, now)
-            return block_checksums(self._tensors, [block_id for block_id, _ in pairs])
+            checksums = block_checksums(self._tensors, [block_id for block_id, _ in pairs])
+            self.num_sent_blocks += len(pairs)
+            self.num_sent_bytes += len(pairs) * self._bytes_per_block
+            return checksums
 
     def release_later(self, lease_id: str) -> None:
         """A reader is done with the lease: it ends at the step thread's next tick."""

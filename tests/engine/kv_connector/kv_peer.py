@@ -4,9 +4,10 @@ block is leased under `LEASE_ID` by a real `KVProducer`, so the side channel ans
 
     python -m tests.engine.kv_connector.kv_peer LAYOUT_JSON NUM_BLOCKS SEED MODEL TIMEOUT
 
-Once ready it prints one JSON line (`endpoint`, `rpc_port`, `generations`); it serves until its stdin closes,
-then closes both and exits 0. `PeerProcess` starts one and reads that line; `filled_cache` makes
-the same bytes in the test's own process, to compare with what a transfer brought.
+Once ready it prints one JSON line (`endpoint`, `rpc_port`, `generations`); it serves until its
+stdin closes, then closes both and exits 0. `PeerProcess` starts one and reads that line;
+`filled_cache` makes the same bytes in the test's own process, to compare with what a transfer
+brought.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import zmq
 from kvpool.engine.kv_connector.checksums import block_checksums
 from kvpool.engine.kv_connector.errors import IncompatibleKVError, KVTransferError
 from kvpool.engine.kv_connector.handshake import EngineDescriptor
-from kvpool.engine.kv_connector.regions import kv_tensors, regions_of
 from kvpool.engine.kv_connector.producer import KVProducer
+from kvpool.engine.kv_connector.regions import kv_tensors, regions_of
 from kvpool.engine.kv_connector.side_channel import (
     SideChannelServer,
     check_lease,
