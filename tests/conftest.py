@@ -56,6 +56,7 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "kernels/test_cpu_kernels_build.py": ("processes",),
     "model/test_tensor_parallel.py": ("processes",),
     "router/test_failover.py": ("processes",),
+    "server/test_disaggregated_serving.py": ("processes",),
     "server/test_serve.py": ("processes",),
     "server/test_tp_server.py": ("processes",),
 }
