@@ -60,13 +60,15 @@ MAX_CONCURRENT_LOADS = 4
 class PeerLink(Protocol):
     """A consumer's channel to one producer (Mooncake + side channel, or in-process)."""
 
-    def check(self, lease_id: str, pairs: Sequence[tuple[int, int]]) -> None: ...
+    def check(self, lease_id: str, prompt_digest: str,
+              pairs: Sequence[tuple[int, int]]) -> None: ...
 
     def read(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy remote blocks into local ones: pairs are (local id, remote id)."""
         ...
 
-    def checksums(self, lease_id: str, pairs: Sequence[tuple[int, int]]) -> list[int]: ...
+    def checksums(self, lease_id: str, prompt_digest: str,
+                  pairs: Sequence[tuple[int, int]]) -> list[int]: ...
 
     def release(self, lease_id: str) -> None: ...
 
@@ -252,11 +254,14 @@ class KVConsumer:
         remote = load.remote
         local_ids = {remote_id: local_id for local_id, remote_id in load.pairs}
         leased = [(b, g) for b, g in remote.pairs if b in local_ids]
+        # Our own prompt's digest, not the request's word for it: the producer refuses a
+        # lease granted for another prompt.
+        digest = token_digest(load.request.prompt_token_ids)
         link = self._link_for(remote)
         try:
-            link.check(remote.lease_id, leased)
+            link.check(remote.lease_id, digest, leased)
             link.read(load.pairs)
-            expected = link.checksums(remote.lease_id, leased)
+            expected = link.checksums(remote.lease_id, digest, leased)
             verify_blocks(self._tensors, [(local_ids[b], b) for b, _ in leased], expected)
         finally:
             self._release(remote, link)

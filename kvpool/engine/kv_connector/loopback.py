@@ -50,8 +50,9 @@ class LoopbackLink:
         self._local = tuple(local)
         self._remote = remote
 
-    def check(self, lease_id: str, pairs: Sequence[tuple[int, int]]) -> None:
-        self._remote.producer.check(lease_id, pairs, time.monotonic())
+    def check(self, lease_id: str, prompt_digest: str,
+              pairs: Sequence[tuple[int, int]]) -> None:
+        self._remote.producer.check(lease_id, prompt_digest, pairs, time.monotonic())
 
     def read(self, pairs: Sequence[tuple[int, int]]) -> None:
         local_ids = torch.tensor([local for local, _ in pairs])
@@ -60,8 +61,10 @@ class LoopbackLink:
             local[local_ids.to(local.device)] = remote[remote_ids.to(remote.device)].to(
                 local.device)
 
-    def checksums(self, lease_id: str, pairs: Sequence[tuple[int, int]]) -> list[int]:
-        return self._remote.producer.checksums(lease_id, pairs, time.monotonic())
+    def checksums(self, lease_id: str, prompt_digest: str,
+                  pairs: Sequence[tuple[int, int]]) -> list[int]:
+        return self._remote.producer.checksums(lease_id, prompt_digest, pairs,
+                                               time.monotonic())
 
     def release(self, lease_id: str) -> None:
         self._remote.producer.release_later(lease_id)

@@ -89,14 +89,16 @@ class MooncakeLink:
         self._endpoint = endpoint
         self._timeout = timeout_seconds
 
-    def check(self, lease_id: str, pairs: Sequence[tuple[int, int]]) -> None:
-        check_lease(self._endpoint, lease_id, pairs, self._timeout)
+    def check(self, lease_id: str, prompt_digest: str,
+              pairs: Sequence[tuple[int, int]]) -> None:
+        check_lease(self._endpoint, lease_id, prompt_digest, pairs, self._timeout)
 
     def read(self, pairs: Sequence[tuple[int, int]]) -> None:
         self._transport.read_blocks(self._peer, pairs)
 
-    def checksums(self, lease_id: str, pairs: Sequence[tuple[int, int]]) -> list[int]:
-        return fetch_checksums(self._endpoint, lease_id, pairs, self._timeout)
+    def checksums(self, lease_id: str, prompt_digest: str,
+                  pairs: Sequence[tuple[int, int]]) -> list[int]:
+        return fetch_checksums(self._endpoint, lease_id, prompt_digest, pairs, self._timeout)
 
     def release(self, lease_id: str) -> None:
         release_lease(self._endpoint, lease_id, self._timeout)

@@ -16,7 +16,7 @@ transport registers one fixed set of tensors: `regions`); `check_engine_fits` re
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from abc import abstractmethod
 from typing import Any
 
@@ -45,7 +45,6 @@ class PoolKVConnector(KVConnectorBase):
         self.memory = memory
         self.tensors: tuple[torch.Tensor, ...] = kv_tensors(memory.kv_cache)
         self.model = model
-        self._lease_ids = itertools.count()
         self.producer = (KVProducer(memory.pool, self.tensors, config.lease_seconds)
                          if config.is_producer else None)
         self.consumer = (KVConsumer(memory, self.tensors, self._link_for,
@@ -97,13 +96,15 @@ class PoolKVConnector(KVConnectorBase):
                                          prompt[: num_blocks * size])
         if not match.block_ids:  # shorter than a block, or (rarely) evicted already
             return None
-        lease_id = f"{request.request_id}#{next(self._lease_ids)}"
-        lease = self.producer.hand_over(lease_id, match.block_ids, now)
+        # The lease id is the reader's capability: unguessable, so no request names another's.
+        lease_id = secrets.token_urlsafe(16)
+        digest = token_digest(prompt)
+        lease = self.producer.hand_over(lease_id, match.block_ids, digest, now)
         return RemotePrefill(
             engine_id=self.config.engine_id, host=self.host, port=self.port,
             lease_id=lease_id, block_ids=tuple(lease.block_ids),
             generations=tuple(lease.generations.values()), num_tokens=len(prompt),
-            token_digest=token_digest(prompt)).to_wire()
+            token_digest=digest).to_wire()
 
     def abort(self, request_id: str) -> None:
         if self.consumer is not None:

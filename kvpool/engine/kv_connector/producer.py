@@ -43,14 +43,20 @@ class KVProducer:
         self._tensors = tuple(tensors)
         self._lock = threading.Lock()
         self._releases: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._digests: dict[str, str] = {}  # live lease -> its prompt's token digest
         self.num_sent_blocks = 0  # blocks a reader read and had checksummed under its lease
         self.num_sent_bytes = 0
 
     # -------------------------------------------------------- step thread
-    def hand_over(self, lease_id: str, block_ids: Sequence[int], now: float) -> Lease:
-        """Lease `block_ids` (used or cached) to a reader under `lease_id`."""
+    def hand_over(self, lease_id: str, block_ids: Sequence[int], prompt_digest: str,
+                  now: float) -> Lease:
+        """Lease `block_ids` (used or cached), the KV of the prompt whose token digest is
+        `prompt_digest`, to a reader under `lease_id` (unguessable: it is the reader's
+        capability)."""
         with self._lock:
-            return self.leases.lease(lease_id, block_ids, now)
+            lease = self.leases.lease(lease_id, block_ids, now)
+            self._digests[lease_id] = prompt_digest
+            return lease
 
     def tick(self, now: float) -> list[str]:
         """End the leases readers released, then those past their expiry; returns the lease
@@ -64,7 +70,9 @@ class KVProducer:
                     break
                 if self.leases.release(lease_id) is ReleaseOutcome.RELEASED:
                     released.append(lease_id)
-            self.leases.expire(now)
+            ended = released + self.leases.expire(now)
+            for lease_id in ended:
+                self._digests.pop(lease_id, None)
         return released
 
     def release_all(self) -> None:
@@ -72,19 +80,23 @@ class KVProducer:
         with self._lock:
             for lease in self.leases.live_leases():
                 self.leases.release(lease.lease_id)
+            self._digests.clear()
 
     # ------------------------------------------------------- any thread
-    def check(self, lease_id: str, pairs: Sequence[tuple[int, int]], now: float) -> None:
-        """KVTransferError ("lease") unless the lease is live and holds every pair now."""
+    def check(self, lease_id: str, prompt_digest: str, pairs: Sequence[tuple[int, int]],
+              now: float) -> None:
+        """KVTransferError ("lease") unless the lease is live, was granted for the prompt of
+        `prompt_digest` (the reader's own prompt: a lease is no way to another prompt's KV)
+        and holds every pair now."""
         with self._lock:
-            self._check(lease_id, pairs, now)
+            self._check(lease_id, prompt_digest, pairs, now)
 
-    def checksums(self, lease_id: str, pairs: Sequence[tuple[int, int]],
+    def checksums(self, lease_id: str, prompt_digest: str, pairs: Sequence[tuple[int, int]],
                   now: float) -> list[int]:
-        """The pairs' blocks' checksums, taken while the lease is checked live and current;
+        """The pairs' blocks' checksums, taken while the lease is checked as `check` does;
         KVTransferError ("lease") otherwise."""
         with self._lock:
-            self._check(lease_id, pairs, now)
+            self._check(lease_id, prompt_digest, pairs, now)
             checksums = block_checksums(self._tensors, [block_id for block_id, _ in pairs])
             self.num_sent_blocks += len(pairs)
             self.num_sent_bytes += len(pairs) * self._bytes_per_block
@@ -102,11 +114,14 @@ class KVProducer:
         with self._lock:
             return self.leases.stats()
 
-    def _check(self, lease_id: str, pairs: Sequence[tuple[int, int]], now: float) -> None:
+    def _check(self, lease_id: str, prompt_digest: str, pairs: Sequence[tuple[int, int]],
+               now: float) -> None:
         try:
             self.leases.check(lease_id, pairs, now)
         except LeaseRefused as refused:
             raise KVTransferError("lease", str(refused)) from refused
+        if self._digests.get(lease_id) != prompt_digest:
+            raise KVTransferError("lease", f"lease {lease_id!r} holds another prompt's KV")
 
     @property
     def _bytes_per_block(self) -> int:

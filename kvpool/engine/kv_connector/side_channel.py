@@ -4,9 +4,11 @@ around the bulk transfers (which go through the transfer engine).
     client (the decode engine)                          SideChannelServer (the prefill engine)
     handshake(endpoint, local) ── hello {descriptor} ──▶ check_compatible: admit to `peers`
       check_compatible(local, remote) ◀── {descriptor} ──
-    check_lease(endpoint, lease, pairs) ── check ──▶ gate.check: the lease live, pairs current
+    check_lease(endpoint, lease, digest, pairs) ─ check ─▶ gate.check: the lease live, granted
+                                                           for this prompt, pairs current
     (the client reads the blocks through the transfer engine)
-    fetch_checksums(endpoint, lease, pairs) ── checksums ──▶ gate.checksums (checked again)
+    fetch_checksums(endpoint, lease, digest, pairs) ─ checksums ─▶ gate.checksums (checked
+                                                                      again)
                                    ◀── {checksums} ──
     release_lease(endpoint, lease) ── release ──▶ gate.release_later
 
@@ -48,9 +50,10 @@ POLL_MS = 100  # how often the server's thread looks at its stop flag
 class LeaseGate(Protocol):
     """What the server asks before touching leased blocks (`KVProducer`)."""
 
-    def check(self, lease_id: str, pairs: Sequence[tuple[int, int]], now: float) -> None: ...
+    def check(self, lease_id: str, prompt_digest: str, pairs: Sequence[tuple[int, int]],
+              now: float) -> None: ...
 
-    def checksums(self, lease_id: str, pairs: Sequence[tuple[int, int]],
+    def checksums(self, lease_id: str, prompt_digest: str, pairs: Sequence[tuple[int, int]],
                   now: float) -> list[int]: ...
 
     def release_later(self, lease_id: str) -> None: ...
@@ -122,12 +125,12 @@ class SideChannelServer:
                 self._gate.release_later(str(message["lease_id"]))
                 return {"released": True}
             if kind in ("check", "checksums"):
-                pairs = _pairs(message["blocks"])
+                lease = (str(message["lease_id"]), str(message["prompt_digest"]),
+                         _pairs(message["blocks"]), time.monotonic())
                 if kind == "check":
-                    self._gate.check(str(message["lease_id"]), pairs, time.monotonic())
+                    self._gate.check(*lease)
                     return {"live": True}
-                return {"checksums": self._gate.checksums(str(message["lease_id"]), pairs,
-                                                          time.monotonic())}
+                return {"checksums": self._gate.checksums(*lease)}
             return {"error": f"unknown message type {kind!r}", "reason": "protocol"}
         except KVTransferError as error:
             return {"error": str(error), "reason": error.reason}
@@ -163,19 +166,22 @@ def handshake(endpoint: str, local: EngineDescriptor,
     return remote
 
 
-def check_lease(endpoint: str, lease_id: str, pairs: Sequence[tuple[int, int]],
+def check_lease(endpoint: str, lease_id: str, prompt_digest: str,
+                pairs: Sequence[tuple[int, int]],
                 timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
-    """KVTransferError ("lease") unless the server's lease holds every (block, generation)."""
-    _request(endpoint, {"type": "check", "lease_id": lease_id, "blocks": [list(p) for p in pairs]},
+    """KVTransferError ("lease") unless the server's lease, granted for the prompt of
+    `prompt_digest`, holds every (block, generation)."""
+    _request(endpoint, _lease_message("check", lease_id, prompt_digest, pairs),
              timeout_seconds)
 
 
-def fetch_checksums(endpoint: str, lease_id: str, pairs: Sequence[tuple[int, int]],
+def fetch_checksums(endpoint: str, lease_id: str, prompt_digest: str,
+                    pairs: Sequence[tuple[int, int]],
                     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> list[int]:
     """The server's checksums of the leased blocks `pairs` (block id, generation), taken
     while the lease holds them (`kvpool.engine.kv_connector.checksums`)."""
-    answer = _request(endpoint, {"type": "checksums", "lease_id": lease_id,
-                                 "blocks": [list(p) for p in pairs]}, timeout_seconds)
+    answer = _request(endpoint, _lease_message("checksums", lease_id, prompt_digest, pairs),
+                      timeout_seconds)
     checksums = answer.get("checksums")
     if not isinstance(checksums, list) or len(checksums) != len(pairs):
         raise KVTransferError("protocol", f"{endpoint} answered {answer!r} to a request for "
@@ -187,6 +193,12 @@ def release_lease(endpoint: str, lease_id: str,
                   timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
     """Tell the server its lease is done with (it ends at the server's next engine tick)."""
     _request(endpoint, {"type": "release", "lease_id": lease_id}, timeout_seconds)
+
+
+def _lease_message(kind: str, lease_id: str, prompt_digest: str,
+                   pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    return {"type": kind, "lease_id": lease_id, "prompt_digest": prompt_digest,
+            "blocks": [list(pair) for pair in pairs]}
 
 
 def _pairs(blocks: object) -> list[tuple[int, int]]:

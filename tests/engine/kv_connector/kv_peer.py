@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[3]
 READY_TIMEOUT_SECONDS = 120.0
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LEASE_ID = "peer"  # the lease on every block
+DIGEST = "peer-prompt"  # the prompt digest it was granted for
 
 
 def filled_cache(layout: KVLayout, num_blocks: int, seed: int) -> KVCache:
@@ -102,7 +103,8 @@ def serve(layout: KVLayout, num_blocks: int, seed: int, model: str, timeout: flo
         descriptor = transport.describe(f"peer-{seed}", model, layout)
         pool = BlockPool(num_blocks - 1, layout)
         producer = KVProducer(pool, kv_tensors(cache), lease_seconds=3600)
-        lease = producer.hand_over(LEASE_ID, pool.allocate(num_blocks - 1), time.monotonic())
+        lease = producer.hand_over(LEASE_ID, pool.allocate(num_blocks - 1), DIGEST,
+                                   time.monotonic())
         with SideChannelServer(descriptor, producer) as server:
             print(json.dumps({"endpoint": server.endpoint, "rpc_port": transport.rpc_port,
                               "generations": dict(lease.generations)}), flush=True)

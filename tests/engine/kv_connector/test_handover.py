@@ -159,7 +159,8 @@ class Slow:
         time.sleep(self.lease_seconds * 1.5)
 
 
-@pytest.mark.parametrize("fault", ["checksum", "lease", "prompt", "failed", "incompatible"])
+@pytest.mark.parametrize("fault", ["checksum", "lease", "prompt", "another_prompt", "failed",
+                                   "incompatible"])
 def test_a_failed_load_is_recomputed_to_the_same_answer(fault, pair, make_fast_engine) -> None:
     lease_seconds = 0.3
     producer, consumer = pair(
@@ -167,6 +168,11 @@ def test_a_failed_load_is_recomputed_to_the_same_answer(fault, pair, make_fast_e
         consumer={"block_size": 8} if fault == "incompatible" else {})
     prompt = LONG[1]
     handover = prefill(producer, prompt)
+    if fault == "another_prompt":  # a lease named for a prompt whose KV it does not hold
+        prompt = LONG[1].replace("lamp", "fire")
+        tokens = consumer.tokenizer.encode(prompt)
+        handover = {**handover, "remote_num_tokens": len(tokens),
+                    "remote_token_digest": token_digest(tokens)}
     if fault == "checksum":
         wrap_link(consumer, lambda link: Corrupting(link, consumer.kv_connector.tensors))
     elif fault == "lease":
@@ -182,7 +188,8 @@ def test_a_failed_load_is_recomputed_to_the_same_answer(fault, pair, make_fast_e
                                  block_size=consumer.kv_memory.layout.block_size)
     assert decoded.outputs[0].token_ids == run(colocated, prompt, greedy()).outputs[0].token_ids
     failures = consumer.kv_connector.stats().failures_by_reason
-    assert failures == {reason: int(reason == fault) for reason in failures}
+    reason = "lease" if fault == "another_prompt" else fault
+    assert failures == {name: int(name == reason) for name in failures}
     assert consumer.kv_connector.stats().num_received_blocks == 0
     time.sleep(lease_seconds)  # leases nobody released expire
     settle(producer)

@@ -62,7 +62,7 @@ class Handover(RuleBasedStateMachine):
         block_ids = self.pool.allocate(num_blocks)
         stamps = self._write(block_ids)
         lease_id = f"lease-{len(self.granted)}"
-        self.producer.hand_over(lease_id, block_ids, self.now)
+        self.producer.hand_over(lease_id, block_ids, lease_id, self.now)
         self.pool.free(block_ids)  # the request is done; the lease alone holds them
         self.granted[lease_id] = stamps
         return lease_id
@@ -102,7 +102,7 @@ class Handover(RuleBasedStateMachine):
         stamps = self.granted[lease_id]
         pairs = self._lease_pairs(lease_id, stamps)
         try:
-            expected = self.producer.checksums(lease_id, pairs, self.now)
+            expected = self.producer.checksums(lease_id, lease_id, pairs, self.now)
         except KVTransferError as refused:
             assert refused.reason == "lease"
             return

@@ -35,7 +35,13 @@ from kvpool.engine.kv_connector.regions import kv_tensors
 from kvpool.engine.kv_connector.side_channel import fetch_checksums, handshake
 from kvpool.memory.kv_cache import KVCache
 from kvpool.memory.kv_layout import KVLayout
-from tests.engine.kv_connector.kv_peer import LEASE_ID, MODEL, PeerProcess, filled_cache
+from tests.engine.kv_connector.kv_peer import (
+    DIGEST,
+    LEASE_ID,
+    MODEL,
+    PeerProcess,
+    filled_cache,
+)
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
@@ -113,7 +119,7 @@ def test_a_reader_gets_the_senders_bytes(dtype: str, start_peer, make_local) -> 
     untouched = sorted(set(range(NUM_BLOCKS)) - {local_id for local_id, _ in PAIRS})
     assert all(not local.cache.tensor[block_id].any() for block_id in untouched)
     verify_blocks(kv_tensors(local.cache), PAIRS,
-                  fetch_checksums(peer.endpoint, LEASE_ID,
+                  fetch_checksums(peer.endpoint, LEASE_ID, DIGEST,
                                   peer.pairs([remote_id for _, remote_id in PAIRS])))
 
 
@@ -126,7 +132,8 @@ def test_a_writer_puts_its_bytes_in_the_peers_blocks(start_peer, make_local) -> 
 
     ours = block_checksums(kv_tensors(local.cache), [1, 2])
     before = block_checksums(kv_tensors(filled_cache(FLOAT32, NUM_BLOCKS, PEER_SEED)), [3, 4, 5])
-    assert fetch_checksums(peer.endpoint, LEASE_ID, peer.pairs([3, 4, 5])) == [*ours, before[2]]
+    checksums = fetch_checksums(peer.endpoint, LEASE_ID, DIGEST, peer.pairs([3, 4, 5]))
+    assert checksums == [*ours, before[2]]
     assert ours != before[:2]
 
 
@@ -184,7 +191,7 @@ def test_a_stopped_peer_times_out_instead_of_hanging(first_transfer: bool, start
 def test_a_corrupted_block_is_caught_by_its_checksum(start_peer, make_local) -> None:
     peer, local = start_peer(), make_local()
     local.transport.read_blocks(local.handshake(peer), PAIRS)
-    checksums = fetch_checksums(peer.endpoint, LEASE_ID,
+    checksums = fetch_checksums(peer.endpoint, LEASE_ID, DIGEST,
                                 peer.pairs([remote_id for _, remote_id in PAIRS]))
     verify_blocks(kv_tensors(local.cache), PAIRS, checksums)
 

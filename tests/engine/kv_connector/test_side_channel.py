@@ -46,7 +46,7 @@ def server() -> Iterator[SideChannelServer]:
     pool = BlockPool(3, LAYOUT)
     producer = KVProducer(pool, kv_tensors(cache), lease_seconds=3600)
     block_ids = pool.allocate(3)
-    lease = producer.hand_over("L", [block_ids[0], block_ids[2]], time.monotonic())
+    lease = producer.hand_over("L", [block_ids[0], block_ids[2]], "D", time.monotonic())
     pool.free(block_ids)  # the lease's references alone hold them now
     with SideChannelServer(descriptor, producer) as running:
         running.cache, running.producer, running.pairs = cache, producer, lease.pairs
@@ -73,39 +73,41 @@ def test_an_incompatible_peer_is_refused_on_both_sides(server) -> None:
 
 def test_checksums_come_from_the_servers_leased_blocks(server) -> None:
     pairs = server.pairs[::-1]
-    check_lease(server.endpoint, "L", pairs)
-    assert fetch_checksums(server.endpoint, "L", pairs) == block_checksums(
+    check_lease(server.endpoint, "L", "D", pairs)
+    assert fetch_checksums(server.endpoint, "L", "D", pairs) == block_checksums(
         kv_tensors(server.cache), [block_id for block_id, _ in pairs])
 
 
-@pytest.mark.parametrize(("lease_id", "pair", "refusal"), [
-    ("L", (2, 1), "block not leased"),  # block 2 was never leased: no checksum of it
-    ("L", None, "leased at generation"),  # a generation the lease does not hold
-    ("M", None, "unknown_lease"),
+@pytest.mark.parametrize(("lease_id", "digest", "pair", "refusal"), [
+    ("L", "D", (2, 1), "block not leased"),  # block 2 was never leased: no checksum of it
+    ("L", "D", None, "leased at generation"),  # a generation the lease does not hold
+    ("M", "D", None, "unknown_lease"),
+    ("L", "E", "own", "another prompt"),  # the lease's own blocks, for another prompt
 ])
-def test_blocks_outside_a_live_lease_are_refused(server, lease_id, pair, refusal) -> None:
+def test_blocks_outside_a_live_lease_are_refused(server, lease_id, digest, pair,
+                                                 refusal) -> None:
     block_id, generation = server.pairs[0]
-    pair = pair or (block_id, generation + 1)
+    pair = {"own": (block_id, generation), None: (block_id, generation + 1)}.get(pair, pair)
     for ask in (check_lease, fetch_checksums):
         with pytest.raises(KVTransferError) as caught:
-            ask(server.endpoint, lease_id, [pair])
+            ask(server.endpoint, lease_id, digest, [pair])
         assert caught.value.reason == "lease"
         assert refusal in str(caught.value)
 
 
 def test_a_release_ends_the_lease_at_the_next_tick(server) -> None:
     release_lease(server.endpoint, "L")
-    check_lease(server.endpoint, "L", server.pairs)  # still live until the tick
+    check_lease(server.endpoint, "L", "D", server.pairs)  # still live until the tick
     assert server.producer.tick(time.monotonic()) == ["L"]
     with pytest.raises(KVTransferError, match="released") as caught:
-        fetch_checksums(server.endpoint, "L", server.pairs)
+        fetch_checksums(server.endpoint, "L", "D", server.pairs)
     assert caught.value.reason == "lease"
     assert server.producer.leases.pool.num_used_blocks == 0
 
 
 def test_a_bad_request_is_refused_and_the_server_goes_on(server) -> None:
     with pytest.raises(KVTransferError, match="pairs") as caught:
-        fetch_checksums(server.endpoint, "L", [(1, 2, 3)])
+        fetch_checksums(server.endpoint, "L", "D", [(1, 2, 3)])
     assert caught.value.reason == "protocol"
 
     socket = zmq.Context.instance().socket(zmq.REQ)
@@ -113,7 +115,7 @@ def test_a_bad_request_is_refused_and_the_server_goes_on(server) -> None:
     socket.send(b"not json")
     assert "error" in json.loads(socket.recv())
     socket.close(linger=0)
-    assert len(fetch_checksums(server.endpoint, "L", server.pairs[:1])) == 1
+    assert len(fetch_checksums(server.endpoint, "L", "D", server.pairs[:1])) == 1
 
 
 def test_no_answer_is_a_timeout(server) -> None:
@@ -121,5 +123,5 @@ def test_no_answer_is_a_timeout(server) -> None:
     server.close()
 
     with pytest.raises(KVTransferError, match="no answer") as caught:
-        fetch_checksums(endpoint, "L", server.pairs, timeout_seconds=0.2)
+        fetch_checksums(endpoint, "L", "D", server.pairs, timeout_seconds=0.2)
     assert caught.value.reason == "timeout"
