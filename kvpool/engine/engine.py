@@ -275,15 +275,14 @@ class LLMEngine:
         here: kv_load_failure_policy "recompute"); those the policy fails are returned,
         finished with their error."""
         failed = []
-        policy = self.config.parallel.kv_transfer_config
         for loaded in self.kv_connector.get_finished(now):
             request = loaded.request
-            if loaded.error is not None and policy.kv_load_failure_policy == "fail":
-                request.error = f"loading the prompt's KV from the prefill worker failed: " \
-                                f"{loaded.error}"
-                failed.append(request)
-            else:
+            if loaded.error is None:
                 self.scheduler.add_request(request, loaded.block_hashes)
+                continue
+            request.error = f"loading the prompt's KV from the prefill worker failed: " \
+                            f"{loaded.error}"
+            failed.append(request)
         return failed
 
     def _start_step(self) -> PhaseClock:

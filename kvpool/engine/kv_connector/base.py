@@ -52,7 +52,8 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def get_finished(self, now: float) -> list[Loaded]:
-        """Requests whose load ended since the last call (each with its error, if any)."""
+        """Requests whose load ended since the last call: each to be scheduled, or (its
+        `error` set: kv_load_failure_policy "fail") to end with that error."""
 
     @abstractmethod
     def wait_for_load(self, timeout: float) -> None:

@@ -90,8 +90,8 @@ class _Load:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """A request ready for the scheduler: its blocks loaded, or (error set, policy
-    "recompute") to be computed here."""
+    """A request whose load ended: its blocks loaded (no error), or not (the error: the
+    connector's policy decides whether it is computed here or fails)."""
 
     request: Request
     block_hashes: list

@@ -16,6 +16,7 @@ transport registers one fixed set of tensors: `regions`); `check_engine_fits` re
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from abc import abstractmethod
 from typing import Any
@@ -78,7 +79,15 @@ class PoolKVConnector(KVConnectorBase):
         return self.consumer.start(request, block_hashes, request.kv_transfer, now)
 
     def get_finished(self, now: float) -> list[Loaded]:
-        return [] if self.consumer is None else self.consumer.collect(now)
+        """Loaded requests; a failed load keeps its error only where kv_load_failure_policy
+        is "fail" (a load that found no room is computed here, whatever the policy: it waits
+        for room like any request)."""
+        if self.consumer is None:
+            return []
+        fails = self.config.kv_load_failure_policy == "fail"
+        return [loaded if loaded.error is None or (fails and loaded.error.reason != "no_room")
+                else dataclasses.replace(loaded, error=None)
+                for loaded in self.consumer.collect(now)]
 
     def wait_for_load(self, timeout: float) -> None:
         if self.consumer is not None:
