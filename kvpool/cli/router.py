@@ -1,5 +1,8 @@
 """`kvpool router --replica URL [--replica URL ...]`: the prefix-aware OpenAI-compatible front
-(`kvpool.router`), on uvicorn.
+(`kvpool.router`), on uvicorn. `kvpool router --prefill URL ... --decode URL ...` instead:
+disaggregated, each request prefilled on a prefill worker and decoded on a decode worker
+(`kvpool.router.disagg_forward`); the two forms exclude each other, and --prefill and --decode
+come together (an argparse error otherwise, before anything starts).
 
 Keys are `kvpool serve`'s, with the same flags and the same environment fallback for
 `--api-key`: give the router the replicas' key file and it knows the same tenants.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvpool.cli.args import parse_size
@@ -42,8 +46,7 @@ _CONFIG_FLAGS = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "router", help="route OpenAI requests to the replica holding the longest prefix")
-    parser.add_argument("--replica", action="append", required=True, metavar="URL",
-                        help="a replica's base URL (http://host:port); repeat for each")
+    _add_replica_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--policy", default="prefix", choices=POLICIES,
@@ -61,7 +64,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-request-bytes", type=parse_size, metavar="SIZE",
                         help="larger request bodies get 413 (default: kvpool serve's)")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=partial(run, parser))
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "replicas (--replica, or --prefill with --decode for disaggregated serving)")
+    group.add_argument("--replica", action="append", metavar="URL",
+                       help="a replica's base URL (http://host:port); repeat for each")
+    group.add_argument("--prefill", action="append", metavar="URL",
+                       help="a prefill worker's base URL: it computes each prompt (chosen by "
+                            "the longest cached prefix); repeat for each")
+    group.add_argument("--decode", action="append", metavar="URL",
+                       help="a decode worker's base URL: it generates from the prefill's KV "
+                            "blocks (chosen by least load); repeat for each")
+
+
+def check_replica_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with an argparse error unless the flags give --replica, or --prefill with
+    --decode."""
+    if args.replica and (args.prefill or args.decode):
+        parser.error("argument --prefill/--decode: not allowed with argument --replica")
+    if bool(args.prefill) != bool(args.decode):
+        given, missing = ("--prefill", "--decode") if args.prefill else ("--decode", "--prefill")
+        parser.error(f"argument {given}: needs {missing} too (disaggregated serving takes "
+                     "prefill and decode workers)")
+    if not (args.replica or args.prefill):
+        parser.error("one of the arguments --replica or --prefill/--decode is required")
 
 
 def _add_key_args(parser: argparse.ArgumentParser) -> None:
@@ -116,14 +145,19 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         given["read_timeout"] = None
     admin_key = args.replica_admin_key or os.environ.get(REPLICA_ADMIN_KEY_ENV_VAR) or None
     return RouterConfig(
-        replicas=tuple(url.rstrip("/") for url in args.replica), policy=args.policy,
-        access=access, replica_admin_key=admin_key,
+        replicas=_urls(args.replica), prefill=_urls(args.prefill), decode=_urls(args.decode),
+        policy=args.policy, access=access, replica_admin_key=admin_key,
         kv_events_curve_secret_key_file=args.kv_events_curve_secret_key_file,
         tenant_salts=TenantSalts.resolve(args.cache_salt_secret_file), model=args.model,
         chat_template=load_chat_template(args.chat_template), **given)
 
 
-def run(args: argparse.Namespace) -> int:
+def _urls(flags: list[str] | None) -> tuple[str, ...]:
+    return tuple(url.rstrip("/") for url in flags or ())
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_replica_args(parser, args)
     import uvicorn
 
     from kvpool.router.app import build_router_app

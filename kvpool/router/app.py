@@ -4,11 +4,16 @@ Request path: the server's own AuthMiddleware (401 before any work; it sets the 
 salt is derived from) → BodyLimitMiddleware (413) → routes:
 
     POST /v1/completions, /v1/chat/completions   routed (`RouterState.choose`) and forwarded
-                                                 (`Proxy`), streamed or not, as they come
-    GET  /v1/models                              forwarded to the least loaded replica in
-    GET  /health                                 200 while some replica is in, else 503
+                                                 (`Proxy`), streamed or not, as they come; with
+                                                 prefill and decode workers, in two hops
+                                                 (`forward_disaggregated`)
+    GET  /v1/models                              forwarded to the least loaded replica in that
+                                                 decodes
+    GET  /health                                 200 while some replica of every stage is in,
+                                                 else 503
     GET  /metrics                                the router's own metrics
-    GET  /v1/router/replicas                     each replica's state (admin key, or no keys)
+    GET  /v1/router/replicas                     each replica's state and role (admin key, or
+                                                 no keys)
 
 Errors are the server's OpenAI-shaped ones. Lifespan: one round of health checks before the
 first request (replicas that answer are in, their KV-event feeds started), then the loop; at
@@ -36,6 +41,7 @@ import kvpool
 from kvpool.openai.errors import OpenAIError, install_error_handlers
 from kvpool.openai.middleware import AuthMiddleware, BodyLimitMiddleware
 from kvpool.router.config import RouterConfig
+from kvpool.router.disagg_forward import forward_disaggregated
 from kvpool.router.health import HealthChecker
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.proxy import Proxy
@@ -59,7 +65,9 @@ async def generate(request: Request) -> Response:
     body = await request.body()
     key = await asyncio.to_thread(state.prompt_key, request.url.path, body,
                                   request.state.tenant)
-    return await state.proxy.forward(request, body, partial(state.choose, key))
+    if state.config.is_disaggregated:
+        return await forward_disaggregated(state, request, body, key)
+    return await state.proxy.forward(request, body, partial(state.choose, "both", key))
 
 
 @router.get("/v1/models")
@@ -74,6 +82,9 @@ async def health(request: Request) -> dict[str, Any]:
     num_in = len(replicas.healthy())
     if num_in == 0:
         raise OpenAIError(503, "no replica is in")
+    for role in ("prefill", "decode"):  # a plain replica serves both
+        if not replicas.serving(role):
+            raise OpenAIError(503, f"no {role} worker is in")
     return {"status": "ok", "num_replicas_in": num_in}
 
 
@@ -92,13 +103,13 @@ async def replica_status(request: Request) -> dict[str, Any]:
 
 
 def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
-    """The router over `config.replicas`; `tokenizer` is the replicas' (None: text prompts
-    are routed by load). Its state is `app.state.router`."""
+    """The router over `config.roles`' replicas; `tokenizer` is the replicas' (None: text
+    prompts are routed by load). Its state is `app.state.router`."""
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
         limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_SECONDS),
         trust_env=False)
-    replicas = ReplicaSet(config.replicas, partial(
+    replicas = ReplicaSet(config.roles, partial(
         subscribe, admin_key=config.replica_admin_key,
         curve_secret_key_file=config.kv_events_curve_secret_key_file))
     proxy = Proxy(client, replicas, RouterMetrics(replicas))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from kvpool.openai.auth import ADMIN_TENANT, TenantSalts
 from kvpool.openai.middleware import AccessPolicy
 from kvpool.router.policy import POLICIES
+from kvpool.router.replicas import Role
 from kvpool.server.config import ServerConfig
 
 # The server's own default, so that nothing a default replica takes is refused here (read
@@ -27,7 +28,9 @@ DEFAULT_MAX_REQUEST_BYTES = next(f.default for f in fields(ServerConfig)
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """`replicas`: the replicas' base URLs (`http://host:port`), each once.
+    """`replicas`: the replicas' base URLs (`http://host:port`), each once. Or, for
+    disaggregated routing instead (`kvpool.router.disagg_forward`), `prefill` and `decode`: the
+    prefill workers' and the decode workers' URLs, at least one of each, each URL in one role.
 
     `max_load_imbalance`: requests in flight a replica may have beyond the least loaded one and
     still be chosen for its prefix (`kvpool.router.policy`).
@@ -48,7 +51,9 @@ class RouterConfig:
     file` or `$KVPOOL_CACHE_SALT_SECRET`).
     """
 
-    replicas: tuple[str, ...]
+    replicas: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
     policy: str = "prefix"
     max_load_imbalance: int = 4
     access: AccessPolicy = field(default_factory=AccessPolicy)  # open: no keys
@@ -64,14 +69,18 @@ class RouterConfig:
     chat_template: str | None = None
     tenant_salts: TenantSalts = field(default_factory=TenantSalts.resolve, repr=False)
 
+    @property
+    def is_disaggregated(self) -> bool:
+        return bool(self.prefill)
+
+    @property
+    def roles(self) -> dict[str, Role]:
+        """Every replica's url -> its role (`kvpool.router.replicas`)."""
+        return {**dict.fromkeys(self.replicas, "both"), **dict.fromkeys(self.prefill, "prefill"),
+                **dict.fromkeys(self.decode, "decode")}
+
     def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("the router needs at least one replica (--replica URL)")
-        for url in self.replicas:
-            if not url.startswith(("http://", "https://")) or url.endswith("/"):
-                raise ValueError(f"replica {url!r}: expected http://host:port, no trailing /")
-        if len(set(self.replicas)) != len(self.replicas):
-            raise ValueError("each replica may be given only once")
+        self._check_urls()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {POLICIES}")
         if self.max_load_imbalance < 0 or self.num_failures_to_remove < 1:
@@ -88,3 +97,19 @@ class RouterConfig:
         if self.access.metrics_keys.is_enabled and self.access.is_metrics_open:
             raise ValueError("give either a metrics API key or allow unauthenticated metrics, "
                              "not both")
+
+    def _check_urls(self) -> None:
+        if self.replicas and (self.prefill or self.decode):
+            raise ValueError("give either replicas (--replica) or prefill and decode workers "
+                             "(--prefill, --decode), not both")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("disaggregated routing needs at least one prefill worker "
+                             "(--prefill URL) and one decode worker (--decode URL)")
+        if not (self.replicas or self.prefill):
+            raise ValueError("the router needs at least one replica (--replica URL)")
+        urls = self.replicas + self.prefill + self.decode
+        for url in urls:
+            if not url.startswith(("http://", "https://")) or url.endswith("/"):
+                raise ValueError(f"replica {url!r}: expected http://host:port, no trailing /")
+        if len(set(urls)) != len(urls):
+            raise ValueError("each replica may be given only once (and in one role)")

@@ -15,6 +15,9 @@ holding more blocks than the chosen one was passed over for its load.
 `RoundRobinPolicy` (`--policy round-robin`) takes the replicas in turn, whatever they hold: the
 baseline a benchmark compares with.
 
+`LeastLoadPolicy` takes the replica with the fewest requests in flight, whatever it holds: how
+a decode worker is chosen in disaggregated routing (its prompt is computed elsewhere).
+
 Ties are broken by taking the tied replicas in turn (a counter per policy), so idle replicas
 share cold requests rather than the first one taking them all. Policies are touched only from
 the event loop, so the counters need no lock.
@@ -88,6 +91,20 @@ class RoundRobinPolicy:
         chosen = candidates[self._num_choices % len(candidates)]
         self._num_choices += 1
         return Choice(chosen.name, "round_robin", chosen.num_matched_blocks)
+
+
+class LeastLoadPolicy:
+    def __init__(self) -> None:
+        self._num_ties = 0
+
+    def choose(self, candidates: Sequence[Candidate]) -> Choice | None:
+        if not candidates:
+            return None
+        least_load = min(candidate.num_in_flight for candidate in candidates)
+        tied = [candidate for candidate in candidates if candidate.num_in_flight == least_load]
+        chosen = tied[self._num_ties % len(tied)]
+        self._num_ties += len(tied) > 1
+        return Choice(chosen.name, "load", 0)
 
 
 def make_policy(name: str, max_load_imbalance: int) -> Policy:

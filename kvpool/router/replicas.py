@@ -1,4 +1,9 @@
-"""The replicas behind the router: which are in, their load, and their prefix indexes.
+"""The replicas behind the router: which are in, their load, their roles and prefix indexes.
+
+A replica's `role` is the stage of a request it serves: "both" for a plain replica (`--replica`,
+the whole request), "prefill" or "decode" for a disaggregated worker (`--prefill`, `--decode`;
+`kvpool.router.disagg_forward`). Decode workers are chosen by load alone, so they get no
+KV-event feed (their blocks would never be looked up).
 
 A replica is *in* (routed to) while `is_healthy`. It starts out until its first health check
 answers; `num_failures_to_remove` failed checks in a row, or one refused or reset connection on
@@ -22,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from kvpool.router.replica_events import ReplicaEvents
@@ -32,17 +37,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Subscribe = Callable[[str], "ReplicaEvents | None"]  # url -> its started feed (blocking)
+Role = Literal["both", "prefill", "decode"]
 
 
 @dataclass(eq=False)
 class Replica:
     url: str
+    role: Role = "both"
     is_healthy: bool = False
     num_in_flight: int = 0
     num_failed_checks: int = 0  # health checks failed in a row
     events: ReplicaEvents | None = None
     is_subscribed: bool = False  # its feed was asked for since it last came in
     error: str | None = None  # why it is out, or why it has no prefix index
+
+    def serves(self, role: Role) -> bool:
+        """Whether it takes requests for `role`'s stage (a plain replica takes every stage)."""
+        return self.role in (role, "both")
 
     def num_matched_blocks(self, block_hashes: Sequence[bytes]) -> int:
         if self.events is None or not block_hashes:
@@ -58,15 +69,16 @@ class Replica:
                       "num_batches": stats.num_batches, "num_events": stats.num_events,
                       "num_gaps": stats.num_gaps, "num_resyncs": stats.num_resyncs,
                       "last_seq": stats.last_seq, "is_synced": stats.is_synced}
-        return {"url": self.url, "is_healthy": self.is_healthy,
+        return {"url": self.url, "role": self.role, "is_healthy": self.is_healthy,
                 "num_in_flight": self.num_in_flight,
                 "num_failed_checks": self.num_failed_checks, "error": self.error,
                 "events": events}
 
 
 class ReplicaSet:
-    def __init__(self, urls: Sequence[str], subscribe: Subscribe) -> None:
-        self._replicas = {url: Replica(url) for url in urls}
+    def __init__(self, roles: Mapping[str, Role], subscribe: Subscribe) -> None:
+        """`roles`: each replica's url -> its role."""
+        self._replicas = {url: Replica(url, role) for url, role in roles.items()}
         self._subscribe = subscribe
         self.block_size: int | None = None  # fixed by the first feed (module docstring)
         self._stopping: set[asyncio.Task[None]] = set()  # feeds of replicas taken out
@@ -79,6 +91,10 @@ class ReplicaSet:
 
     def healthy(self) -> list[Replica]:
         return [replica for replica in self if replica.is_healthy]
+
+    def serving(self, role: Role) -> list[Replica]:
+        """The healthy replicas that take requests for `role`'s stage."""
+        return [replica for replica in self.healthy() if replica.serves(role)]
 
     def take_out(self, replica: Replica, reason: str) -> None:
         """Stop routing to it; its feed is stopped in the background (it would only retry
@@ -101,8 +117,9 @@ class ReplicaSet:
         replica.is_healthy = True
 
     async def ensure_subscribed(self, replica: Replica, coming_in: bool = False) -> None:
-        """Start the replica's feed if it has not been asked for since it came in."""
-        if replica.is_subscribed:
+        """Start the replica's feed if it has not been asked for since it came in (never for
+        a decode worker: module docstring)."""
+        if replica.is_subscribed or replica.role == "decode":
             return
         try:
             events = await asyncio.to_thread(self._subscribe, replica.url)

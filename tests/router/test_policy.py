@@ -1,12 +1,20 @@
 """The routing policies as pure functions of (matched blocks, load) per healthy replica: the
 longest prefix wins, ties go to the least loaded and then in turn, and the load cap spills a
-hot prefix to the next best replica; round-robin ignores both."""
+hot prefix to the next best replica; round-robin ignores both, and least-load (how a decode
+worker is chosen) ignores prefixes."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpool.router.policy import Candidate, Choice, PrefixPolicy, RoundRobinPolicy, make_policy
+from kvpool.router.policy import (
+    Candidate,
+    Choice,
+    LeastLoadPolicy,
+    PrefixPolicy,
+    RoundRobinPolicy,
+    make_policy,
+)
 
 
 def candidates(*specs: tuple[int, int]) -> list[Candidate]:
@@ -85,3 +93,10 @@ def test_make_policy_knows_both_names() -> None:
         make_policy("random", 4)
     with pytest.raises(ValueError, match="max_load_imbalance"):
         PrefixPolicy(-1)
+
+
+def test_least_load_ignores_prefixes_and_takes_ties_in_turn() -> None:
+    policy = LeastLoadPolicy()
+    assert policy.choose(candidates((9, 2), (0, 1), (5, 1))) == Choice("r1", "load", 0)
+    assert policy.choose(candidates((9, 2), (0, 1), (5, 1))) == Choice("r2", "load", 0)
+    assert policy.choose([]) is None
