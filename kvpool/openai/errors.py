@@ -44,7 +44,9 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    502: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 

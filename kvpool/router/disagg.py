@@ -1,9 +1,11 @@
 """The bodies of a disaggregated request's two hops, as vLLM's disaggregation proxy sends them.
 
     prefill hop   the client's body with "stream": false, no "stream_options", "max_tokens": 1
-                  ("max_completion_tokens": 1 and "n": 1 where the client gave them), and
-                  `REMOTE_DECODE` as its "kv_transfer_params": compute the prompt, and keep its
-                  blocks for a decode worker to read
+                  ("max_completion_tokens": 1 and "n": 1 where the client gave them), none of
+                  what asks for more than the prompt's KV (`DECODE_ONLY`: a minimum length,
+                  logprobs, echo, beam search), and `REMOTE_DECODE` as its
+                  "kv_transfer_params": compute the prompt, and keep its blocks for a decode
+                  worker to read
     its answer    an OpenAI response with a top-level "kv_transfer_params": null (nothing to
                   hand over, e.g. a prompt shorter than one block) or an object the router
                   passes on without reading
@@ -19,6 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# Fields that shape the output, not the prompt's KV: the decode hop honours them; on the
+# prefill hop they would only make its one token refused (min_tokens > 1) or cost work.
+DECODE_ONLY = frozenset({"min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+                         "use_beam_search", "best_of", "length_penalty"})
 REMOTE_DECODE: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -37,7 +43,8 @@ def parse_request(body: bytes) -> dict[str, Any] | None:
 
 def prefill_body(request: dict[str, Any]) -> bytes:
     """The prefill hop's body for the client's `request` (module docstring)."""
-    body = {key: value for key, value in request.items() if key != "stream_options"}
+    body = {key: value for key, value in request.items()
+            if key != "stream_options" and key not in DECODE_ONLY}
     body.update(stream=False, max_tokens=1, kv_transfer_params=dict(REMOTE_DECODE))
     for key in ("max_completion_tokens", "n"):
         if key in body:

@@ -27,6 +27,15 @@ def test_the_prefill_body_asks_for_one_token_and_a_remote_decode() -> None:
     assert request["max_tokens"] == 30  # the client's request is left as it was
 
 
+def test_the_prefill_body_drops_what_shapes_only_the_output() -> None:
+    request = {"prompt": "a", "min_tokens": 8, "logprobs": 3, "echo": True,
+               "prompt_logprobs": 1, "use_beam_search": True, "best_of": 4,
+               "length_penalty": 0.5, "seed": 7}
+    assert json.loads(prefill_body(request)) == {
+        "prompt": "a", "seed": 7, "max_tokens": 1, "stream": False,
+        "kv_transfer_params": REMOTE_DECODE}
+
+
 @pytest.mark.parametrize("answer, params", [
     (b'{"choices": [], "kv_transfer_params": null}', None),
     (b'{"choices": []}', None),

@@ -68,9 +68,6 @@ class PoolKVConnector(KVConnectorBase):
         if isinstance(transfer, RemotePrefill) and self.consumer is None:
             raise InvalidRequestError("do_remote_prefill: this engine is a kv_producer; send "
                                       "decode requests to a kv_consumer", params.PARAM)
-        if transfer is not None and (request.params.n > 1 or request.beams is not None):
-            raise InvalidRequestError("kv_transfer_params works with one completion (n = 1, "
-                                      "no beam search)", params.PARAM)
         request.kv_transfer = transfer
 
     def start_load_kv(self, request: Request, block_hashes: list, now: float) -> bool:

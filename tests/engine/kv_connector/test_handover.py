@@ -8,6 +8,7 @@ to idle (the fixtures check no block leaked and the invariants hold)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -243,6 +244,22 @@ def test_aborts_free_both_sides(stage, pair) -> None:
     assert producer.kv_connector.stats().num_leases == 0
 
 
+def test_several_completions_and_beams_decode_from_a_handover(pair, make_fast_engine) -> None:
+    producer, consumer = pair()
+    colocated = make_fast_engine(num_gpu_blocks=256, enable_warmup=False)
+    prompt = LONG[3]
+    for params in (SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8),
+                   SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0,
+                                  max_tokens=8)):
+        handover = prefill(producer, prompt)
+        with_handover = dataclasses.replace(params,
+                                            extra_args={"kv_transfer_params": handover})
+        decoded = run(consumer, prompt, with_handover)
+        expected = run(colocated, prompt, params)
+        assert [c.token_ids for c in decoded.outputs] == [c.token_ids for c in expected.outputs]
+    settle(producer)
+
+
 def test_requests_an_engine_cannot_honour_are_refused(pair, make_fast_engine) -> None:
     producer, consumer = pair()
     plain = make_fast_engine(num_gpu_blocks=64, enable_warmup=False)
@@ -251,7 +268,6 @@ def test_requests_an_engine_cannot_honour_are_refused(pair, make_fast_engine) ->
         (plain, greedy(1, PREFILL), "kv-transfer-config"),
         (consumer, greedy(1, PREFILL), "kv_consumer"),
         (producer, greedy(handover=handover), "kv_producer"),
-        (producer, SamplingParams(n=2, extra_args={"kv_transfer_params": PREFILL}), "n = 1"),
         (consumer, greedy(handover={"do_remote_prefill": True}), "remote_engine_id"),
         (consumer, greedy(handover=[1]), "object"),
     ]
