@@ -49,7 +49,6 @@ from kvpool.engine.kv_connector.params import RemotePrefill, token_digest
 from kvpool.engine.kv_connector.stats import LatencyHistogram
 from kvpool.engine.sequence import Request
 from kvpool.memory.block_table import BlockTable
-from kvpool.memory.errors import OutOfBlocksError
 from kvpool.memory.kv_memory import KVMemory
 
 logger = logging.getLogger(__name__)
@@ -156,12 +155,13 @@ class KVConsumer:
             table.free()
             self._threads.submit(self._release, remote)
             return False
-        try:
-            table.append_slots((num_blocks - first) * size)
-        except OutOfBlocksError:
+        # Loads keep the admission watermark free: blocks held for requests not yet admitted
+        # must never starve the running ones.
+        if not self.memory.grow_until_allocatable(num_blocks - first, keep_watermark=True):
             table.free()
             return self._refuse(request, block_hashes, remote, KVTransferError(
-                "no_room", f"no free blocks to load {num_blocks - first} blocks into"))
+                "no_room", f"no room to load {num_blocks - first} blocks into"))
+        table.append_slots((num_blocks - first) * size)
         pairs = list(zip(table.block_ids[first:], remote.block_ids[first:num_blocks],
                          strict=True))
         load = _Load(request, block_hashes, remote, table, pairs, now)

@@ -38,8 +38,8 @@ def pair(make_fast_engine) -> Callable[..., tuple[LLMEngine, LLMEngine]]:
         made = []
         for role, own in (("kv_producer", producer), ("kv_consumer", consumer)):
             transfer = loopback(role, **own.pop("transfer", {}))
-            made.append(make_fast_engine(num_gpu_blocks=256, kv_transfer_config=transfer,
-                                         enable_warmup=False, **options, **own))
+            made.append(make_fast_engine(**{"num_gpu_blocks": 256, "enable_warmup": False,
+                                            "kv_transfer_config": transfer, **options, **own}))
         return tuple(made)
     return make
 
@@ -195,6 +195,19 @@ def test_a_failed_load_is_recomputed_to_the_same_answer(fault, pair, make_fast_e
     time.sleep(lease_seconds)  # leases nobody released expire
     settle(producer)
     assert producer.kv_connector.stats().num_leases == 0
+
+
+def test_loads_leave_the_admission_watermark_free(pair, make_fast_engine) -> None:
+    """A consumer whose free blocks past the watermark cannot hold the handover computes the
+    prompt itself, even under policy "fail": it waits for room like any request."""
+    producer, consumer = pair(consumer={"num_gpu_blocks": 16, "watermark": 0.85, "transfer": {
+        "kv_load_failure_policy": "fail"}})
+    prompt = LONG[1]  # 4 blocks to load: 4 + 13 (the watermark) > 16
+    decoded = run(consumer, prompt, greedy(handover=prefill(producer, prompt)))
+    colocated = make_fast_engine(num_gpu_blocks=256, enable_warmup=False)
+    assert decoded.outputs[0].token_ids == run(colocated, prompt, greedy()).outputs[0].token_ids
+    assert consumer.kv_connector.stats().failures_by_reason["no_room"] == 1
+    settle(producer)
 
 
 def test_under_policy_fail_a_failed_load_is_an_error(pair) -> None:
