@@ -160,13 +160,18 @@ class Slow:
         time.sleep(self.lease_seconds * 1.5)
 
 
+CONSUMER_OPTIONS = {"incompatible": {"block_size": 8},
+                    "incompatible_dtype": {"kv_cache_dtype": "int8"}}
+
+
 @pytest.mark.parametrize("fault", ["checksum", "lease", "prompt", "another_prompt", "failed",
-                                   "incompatible"])
+                                   "incompatible", "incompatible_dtype"])
 def test_a_failed_load_is_recomputed_to_the_same_answer(fault, pair, make_fast_engine) -> None:
     lease_seconds = 0.3
+    consumer_options = CONSUMER_OPTIONS.get(fault, {})
     producer, consumer = pair(
         producer={"transfer": {"kv_connector_extra_config": {"lease_seconds": lease_seconds}}},
-        consumer={"block_size": 8} if fault == "incompatible" else {})
+        consumer=consumer_options)
     prompt = LONG[1]
     handover = prefill(producer, prompt)
     if fault == "another_prompt":  # a lease named for a prompt whose KV it does not hold
@@ -185,11 +190,10 @@ def test_a_failed_load_is_recomputed_to_the_same_answer(fault, pair, make_fast_e
     decoded = run(consumer, prompt, greedy(handover=handover))
     if fault == "lease":
         producer.resize_kv_pool()  # the producer's step would end the lease
-    colocated = make_fast_engine(num_gpu_blocks=256, enable_warmup=False,
-                                 block_size=consumer.kv_memory.layout.block_size)
+    colocated = make_fast_engine(num_gpu_blocks=256, enable_warmup=False, **consumer_options)
     assert decoded.outputs[0].token_ids == run(colocated, prompt, greedy()).outputs[0].token_ids
     failures = consumer.kv_connector.stats().failures_by_reason
-    reason = "lease" if fault == "another_prompt" else fault
+    reason = {"another_prompt": "lease", "incompatible_dtype": "incompatible"}.get(fault, fault)
     assert failures == {name: int(name == reason) for name in failures}
     assert consumer.kv_connector.stats().num_received_blocks == 0
     time.sleep(lease_seconds)  # leases nobody released expire
