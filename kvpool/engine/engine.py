@@ -379,12 +379,14 @@ class LLMEngine:
                                       scheduler.speculator.stats())
 
     def kv_snapshot(self) -> KVSnapshot:
-        """Every block, every block table and the derived figures, as of now (between steps:
-        the async engine takes it on its own thread); `kvpool.engine.observability.snapshot`."""
+        """Every block (with a KV producer's leases on it), every block table and the derived
+        figures, as of now (between steps: the async engine takes it on its own thread);
+        `kvpool.engine.observability.snapshot`."""
         self.kv_memory.set_clock(time.monotonic())
         return take_kv_snapshot(self.kv_memory, self.requests.values(),
                                 self.scheduler.kv.swapped_kv,
-                                self.step_stats.num_steps, self.kv_memory.rates.rates())
+                                self.step_stats.num_steps, self.kv_memory.rates.rates(),
+                                self.kv_connector.leased_block_ids())
 
     def kv_tier_stats(self) -> KVTierStats:
         """The host and disk tiers: their blocks, spills, reloads and swaps."""

@@ -7,13 +7,23 @@ snapshot, the scheduler's counts) when called: nothing is kept here, so the read
 engine nothing between calls. The request-latency histograms are the exception: the engine
 keeps no per-request history, so `LLM` records each finished request it hands back
 (`LatencyRecorder`), and only requests run through that `LLM` are counted.
+
+Facts vLLM has no metric for keep the `kvpool:` name `/metrics` gives them (without a
+counter's `_total`): the step count, the peak of used blocks and, for an engine with a KV
+connector (`kv_transfer_config`), the handovers: `kvpool:kv_transfer_{blocks,bytes}`
+(tag `direction`: sent, received), `kvpool:kv_transfer_failures` (tag `reason`, every one),
+`kvpool:kv_transfer_leases` (tag `outcome`: granted, released, expired), the gauges
+`kvpool:kv_transfer_{live_leases,leased_blocks,loads_in_flight}` and the load-latency
+histogram `kvpool:kv_transfer_seconds`.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvpool.engine.kv_connector.stats import LOAD_SECONDS_BUCKETS, KVTransferStats
 from kvpool.engine.observability.latency_buckets import (
     REQUEST_LATENCY_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,
@@ -60,7 +70,6 @@ class Histogram(Metric):
     count: int = 0
     sum: float = 0.0
     buckets: dict[str, int] = field(default_factory=dict)
-
 
 
 class LatencyRecorder:
@@ -120,5 +129,36 @@ def read_metrics(engine: LLMEngine, model_name: str,
                list(stats.spec_decode.num_accepted_tokens_per_pos)),
         Counter("kvpool:num_steps", tags, stats.num_steps),
         Gauge("kvpool:peak_used_blocks", tags, float(stats.peak_used_blocks)),
+        *_kv_transfer_metrics(engine.kv_connector.stats(), tags),
         *histograms,
+    ]
+
+
+def _kv_transfer_metrics(transfer: KVTransferStats | None,
+                         tags: dict[str, str]) -> list[Metric]:
+    """The KV connector's handovers (module docstring); none without a connector."""
+    if transfer is None:
+        return []
+
+    def by(name: str, tag: str, values: dict[str, int]) -> list[Metric]:
+        return [Counter(f"kvpool:kv_transfer_{name}", {**tags, tag: key}, value)
+                for key, value in values.items()]
+
+    cumulative = itertools.accumulate(transfer.load_seconds_counts)
+    bounds = [*map(str, LOAD_SECONDS_BUCKETS), "+Inf"]
+    buckets = dict(zip(bounds, cumulative, strict=True))
+    return [
+        *by("blocks", "direction", {"sent": transfer.num_sent_blocks,
+                                    "received": transfer.num_received_blocks}),
+        *by("bytes", "direction", {"sent": transfer.num_sent_bytes,
+                                   "received": transfer.num_received_bytes}),
+        *by("failures", "reason", transfer.failures_by_reason),
+        *by("leases", "outcome", {"granted": transfer.num_leases_granted,
+                                  "released": transfer.num_leases_released,
+                                  "expired": transfer.num_leases_expired}),
+        Gauge("kvpool:kv_transfer_live_leases", tags, float(transfer.num_leases)),
+        Gauge("kvpool:kv_transfer_leased_blocks", tags, float(transfer.num_leased_blocks)),
+        Gauge("kvpool:kv_transfer_loads_in_flight", tags, float(transfer.num_loading)),
+        Histogram("kvpool:kv_transfer_seconds", tags, buckets["+Inf"],
+                  transfer.load_seconds_sum, buckets),
     ]

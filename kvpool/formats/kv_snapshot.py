@@ -9,7 +9,9 @@ photographed in tens of milliseconds (`kvpool bench snapshot`).
 Block states (`BlockRun.state`):
 
     free      ref_count 0, no hash: on the free list
-    used      ref_count > 0: held by `holders`, the sequences whose tables list it
+    used      ref_count > 0: held by `holders`, the sequences whose tables list it, and by
+              `leases`, a producer's live leases on it for decode workers (kv_transfer_config):
+              a used block with leases and no holder is KV kept for a handover
     cached    ref_count 0, hashed: kept for prefix reuse; evicted LRU when nothing is free.
               Cached is not leaked: it is free memory that still remembers a prefix.
     offline   no memory behind the id: the null block, or a segment an elastic pool gave back
@@ -47,24 +49,40 @@ of consecutive ids with equal (state, ref_count, filled slots, holders), not one
             "ages": [[first_id, count, age_s], ...],   seconds since the block last changed
                                                        hands (allocated, revived, released);
                                                        null: not used since start-up
-            "lru": [block_id, ...]}                    cached blocks, next evicted first
+            "lru": [block_id, ...],                    cached blocks, next evicted first
+            "leases": [[first_id, count, n], ...]}     runs of ids n > 0 live leases hold
+                                                       (the device pool of a kv_producer)
 
 A holder is an index into "sequences". The runs cover ids 0 .. capacity_blocks - 1 in order.
 A short hash is `kvpool.formats.snapshot_runs.short_hash`: the first bytes of the block's
 chained hash, in hex.
 
+Compatibility: version 1 grows by optional keys only ("leases", "derived.num_leased_blocks",
+"group_block_ids", ...). A reader takes a missing one as empty or zero, so every version-1 file
+stays readable, and it skips keys it does not know, so a newer version-1 file reads too (readers
+from before "num_leased_blocks" refused unknown keys in "derived" and "stats"). A change that a
+reader would misread (a key's meaning, a run's fields) takes a new version.
+
 Invariants (the snapshot tests check them against the live pool): the state counts equal
-`BlockPoolStats`; a used block's ref_count equals its number of holders and each holder's table
-lists it; the runs cover every id exactly once.
+`BlockPoolStats`; a used block's ref_count equals its number of holders plus its leases, and
+each holder's table lists it (on a kv_consumer, a handed-over prompt's blocks also keep one
+reference of the connector's until its request ends); the runs cover every id exactly once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from kvpool.formats.snapshot_runs import expand_hash_runs, expand_id_runs, hash_runs, id_runs
+from kvpool.formats.snapshot_runs import (
+    count_runs,
+    expand_count_runs,
+    expand_hash_runs,
+    expand_id_runs,
+    hash_runs,
+    id_runs,
+)
 from kvpool.memory.block_pool import DEVICE, BlockPoolStats
 
 SNAPSHOT_FORMAT = "kvpool.kv_snapshot"
@@ -100,6 +118,7 @@ class BlockInfo:
     short_hash: str | None
     num_filled_slots: int
     age_s: float | None  # None: offline, or not used since start-up
+    num_leases: int = 0  # live leases holding it for decode workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +134,7 @@ class PoolView:
     hashes: Mapping[int, str]  # block id -> short hash, every hashed block
     ages: tuple[tuple[int, int, float | None], ...]  # (first_id, count, age_s), online ids
     lru: tuple[int, ...]  # cached ids, next evicted first
+    leases: Mapping[int, int] = field(default_factory=dict)  # block id -> live leases (> 0)
 
     def count(self, state: str) -> int:
         """Blocks in `state`."""
@@ -130,7 +150,7 @@ class PoolView:
             for block_id in run.block_ids:
                 yield BlockInfo(block_id, run.state, run.ref_count, run.holders,
                                 self.hashes.get(block_id), run.num_filled_slots,
-                                age_of.get(block_id))
+                                age_of.get(block_id), self.leases.get(block_id, 0))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -142,6 +162,7 @@ class PoolView:
             "hashes": hash_runs(self.hashes),
             "ages": [list(age_run) for age_run in self.ages],
             "lru": list(self.lru),
+            "leases": count_runs(self.leases),
         }
 
     @classmethod
@@ -156,6 +177,7 @@ class PoolView:
             ages=tuple((int(f), int(c), None if a is None else float(a))
                        for f, c, a in doc["ages"]),
             lru=tuple(int(block_id) for block_id in doc["lru"]),
+            leases=expand_count_runs(doc.get("leases", [])),
         )
 
 
@@ -222,6 +244,7 @@ class DerivedFigures:
     cached_fraction: float  # cached blocks / online blocks
     shared_fraction: float  # used blocks with ref_count > 1 / used blocks
     num_shared_blocks: int
+    num_leased_blocks: int = 0  # blocks live leases hold for decode workers (a kv_producer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,8 +292,8 @@ class KVSnapshot:
                 time=float(doc["time"]), step=int(doc["step"]),
                 pools={name: PoolView.from_json(view) for name, view in doc["pools"].items()},
                 sequences=tuple(SequenceView.from_json(seq) for seq in doc["sequences"]),
-                stats=BlockPoolStats(**doc["stats"]),
-                derived=DerivedFigures(**doc["derived"]),
+                stats=BlockPoolStats(**_known_fields(BlockPoolStats, doc["stats"])),
+                derived=DerivedFigures(**_known_fields(DerivedFigures, doc["derived"])),
                 disk=doc.get("disk"),
                 shared=doc.get("shared"),
                 recent_evictions=tuple(doc.get("recent_evictions", ())),
@@ -285,16 +308,24 @@ class KVSnapshot:
         return replace(self, sequences=sequences)
 
     def restricted_to(self, visible: Callable[[SequenceView], bool]) -> KVSnapshot:
-        """A viewer's snapshot: only `visible` sequences are listed; a used block none of them
-        holds becomes "other", with no holders. Only blocks a visible sequence holds keep
-        their hash and age; the LRU order and the recent evictions (blocks nobody holds) are
-        dropped: a hash that stays after its request ended would let the viewer confirm a
-        guess of another tenant's prompt. Counts and figures stay whole."""
+        """A viewer's snapshot: only `visible` sequences are listed; a used block that only
+        other sequences hold becomes "other", with no holders (its leases stay). Only blocks a
+        visible sequence holds keep their hash and age; the LRU order and the recent
+        evictions (blocks nobody holds) are dropped: a hash that stays after its request ended
+        would let the viewer confirm a guess of another tenant's prompt. Counts and figures
+        stay whole."""
         keep = [index for index, seq in enumerate(self.sequences) if visible(seq)]
         new_index = {old: new for new, old in enumerate(keep)}
         pools = {name: _restrict_pool(view, new_index) for name, view in self.pools.items()}
         sequences = tuple(self.sequences[index] for index in keep)
         return replace(self, pools=pools, sequences=sequences, recent_evictions=())
+
+
+def _known_fields(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc`'s entries that name a field of `cls` (keys a newer version-1 writer added are
+    skipped: module docstring)."""
+    names = {f.name for f in fields(cls)}
+    return {key: value for key, value in doc.items() if key in names}
 
 
 def _restrict_pool(view: PoolView, new_index: dict[int, int]) -> PoolView:
@@ -303,7 +334,9 @@ def _restrict_pool(view: PoolView, new_index: dict[int, int]) -> PoolView:
         holders = tuple(new_index[h] for h in run.holders if h in new_index)
         if holders:
             shown.update(run.block_ids)
-        state = OTHER if run.state == USED and not holders else run.state
+        # Used with holders, none of them visible: another tenant's. Used with no holder at
+        # all (a lease's alone) stays used: nobody's sequence holds it.
+        state = OTHER if run.state == USED and run.holders and not holders else run.state
         runs.append(replace(run, state=state, holders=holders))
     hashes = {block_id: h for block_id, h in view.hashes.items() if block_id in shown}
     return replace(view, runs=tuple(runs), hashes=hashes, ages=_shown_ages(view.ages, shown),

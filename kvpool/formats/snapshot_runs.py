@@ -1,8 +1,9 @@
 """The run encodings of a KV snapshot's JSON form (`kvpool.formats.kv_snapshot`).
 
 A snapshot of a large pool must not cost a Python object per block, in memory or in JSON:
-block ids are written as runs `[first, count]`, and short hashes as one string per run of
-consecutive hashed ids. `ShortHashes` holds a pool's labels that way from the start.
+block ids are written as runs `[first, count]`, per-block counts as runs `[first, count, n]`,
+and short hashes as one string per run of consecutive hashed ids. `ShortHashes` holds a pool's
+labels that way from the start.
 """
 
 from __future__ import annotations
@@ -91,3 +92,20 @@ def id_runs(block_ids: tuple[int, ...] | list[int]) -> list[list[int]]:
 
 def expand_id_runs(runs: list[list[int]]) -> tuple[int, ...]:
     return tuple(block_id for first, count in runs for block_id in range(first, first + count))
+
+
+def count_runs(counts: Mapping[int, int]) -> list[list[int]]:
+    """[[first, count, n], ...]: runs of consecutive ids with the same count n, ascending."""
+    runs: list[list[int]] = []
+    for block_id in sorted(counts):
+        n = counts[block_id]
+        if runs and runs[-1][0] + runs[-1][1] == block_id and runs[-1][2] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1, n])
+    return runs
+
+
+def expand_count_runs(runs: list[list[int]]) -> dict[int, int]:
+    return {block_id: int(n) for first, count, n in runs
+            for block_id in range(int(first), int(first) + int(count))}

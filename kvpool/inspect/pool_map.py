@@ -3,9 +3,10 @@
 Blocks are laid out by id, row after row (64 per row for small pools, about twice as many
 columns as rows for large ones). The picture is one RGB array drawn with a single `imshow`
 (no patch per block), so a 100,000-block pool draws in about a second. Each cell is a few
-pixels square; a shared block (ref_count > 1) gets a mark in its centre. Colours come from
-`kvpool.inspect.palette`, the definition the dashboard uses too. With a host tier, its pool is
-a second panel under the device's.
+pixels square; a shared block (ref_count > 1) gets a mark in its centre, and a block a live
+lease holds (kept for a decode worker) takes the lease colour whatever its state. Colours come
+from `kvpool.inspect.palette`, the definition the dashboard uses too. With a host tier, its pool
+is a second panel under the device's.
 
 Matplotlib is driven through its object API on the Agg canvas (no pyplot, no global backend),
 so drawing from a server thread or a test changes nothing else.
@@ -24,7 +25,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from kvpool.formats.kv_snapshot import BLOCK_STATES, USED, KVSnapshot, PoolView
-from kvpool.inspect.palette import BACKGROUND_COLOUR, BLOCK_COLOURS, SHARED_MARKER_COLOUR
+from kvpool.inspect.palette import (
+    BACKGROUND_COLOUR,
+    BLOCK_COLOURS,
+    LEASED_COLOUR,
+    SHARED_MARKER_COLOUR,
+)
 
 SMALL_POOL_COLUMNS = 64
 _DPI = 100
@@ -73,11 +79,13 @@ def _pool_image(view: PoolView) -> np.ndarray:
                                    dtype=bool, count=len(view.runs)), counts)
     rows, columns = grid_shape(len(codes))
     padding = rows * columns - len(codes)
-    background = len(BLOCK_STATES)
+    leased, background = len(BLOCK_STATES), len(BLOCK_STATES) + 1
+    if view.leases:
+        codes[np.fromiter(view.leases, dtype=np.int64, count=len(view.leases))] = leased
     codes = np.append(codes, np.full(padding, background)).reshape(rows, columns)
     shared = np.append(shared, np.zeros(padding, dtype=bool)).reshape(rows, columns)
     colours = np.array([to_rgb(BLOCK_COLOURS[state]) for state in BLOCK_STATES]
-                       + [to_rgb(BACKGROUND_COLOUR)])
+                       + [to_rgb(LEASED_COLOUR), to_rgb(BACKGROUND_COLOUR)])
     cell = _cell_pixels(rows * columns)
     image = np.repeat(np.repeat(colours[codes], cell, axis=0), cell, axis=1)
     gap = max(1, cell // 6)  # a pale seam between cells, where they are big enough to see
@@ -105,6 +113,9 @@ def _draw_panel(ax, view: PoolView, name: str, image: np.ndarray) -> None:
                      label=f"{state} {view.count(state)}") for state in BLOCK_STATES]
     handles.append(Patch(facecolor=SHARED_MARKER_COLOUR, edgecolor="#999999",
                          label=f"shared mark (ref_count > 1) {num_shared}"))
+    if view.leases:
+        handles.append(Patch(facecolor=LEASED_COLOUR, edgecolor="#999999",
+                             label=f"leased for decode {len(view.leases)}"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0),
               ncol=len(handles), fontsize=8, frameon=False)
 

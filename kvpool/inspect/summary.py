@@ -9,6 +9,8 @@ What the figures mean:
   when no free block is left.
 - A request's share of the pool counts a block held by k sequences as 1/k to each holder, so
   the shares add up to the used blocks; "held" counts every block a request's tables list.
+- Leased blocks (a kv_producer's) are used blocks a live lease keeps for a decode worker that
+  has yet to read them; with no sequence holding them they are no request's, and not leaked.
 - Shared blocks are grouped by the exact set of sequences holding them, with their positions
   in the first holder's table (positions 0..n-1 are a shared prefix). Cached prefix chains
   cannot be recovered: a snapshot keeps a short hash per block but no parent link.
@@ -179,12 +181,16 @@ def _derived_lines(derived: dict[str, Any]) -> list[str]:
     window = derived["rate_window_s"]
     rates = (f"allocations {derived['alloc_rate']:.1f}/s, frees {derived['free_rate']:.1f}/s "
              f"over the last {window:.1f} s" if window else "no rates yet (no step taken)")
-    return [
+    lines = [
         f"figures: internal fragmentation {derived['internal_fragmentation']:.1%} (empty slots "
         f"in used blocks); free list {derived['free_list_size']} blocks; {rates}",
         f"         cached {derived['cached_fraction']:.1%} of blocks; shared "
         f"{derived['shared_fraction']:.1%} of used blocks ({derived['num_shared_blocks']})",
     ]
+    if derived["num_leased_blocks"]:
+        lines.append(f"         leased {derived['num_leased_blocks']} blocks, kept for decode "
+                     "workers to read (KV transfer)")
+    return lines
 
 
 def _holder_lines(holders: list[dict[str, Any]]) -> list[str]:

@@ -1,4 +1,5 @@
-"""`take_pool_view(pool, tables)`: one block pool as a `PoolView` of runs of equal blocks.
+"""`take_pool_view(pool, tables, leases)`: one block pool as a `PoolView` of runs of equal
+blocks, with the live leases on its blocks.
 
 The pool keeps its per-block facts in plain lists (reference counts, filled slots, online flags,
 last-use times); they are copied into numpy arrays once and the runs are found there, so the
@@ -9,6 +10,7 @@ module is the pool's photographer and must not slow its hot paths with accessors
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -47,8 +49,10 @@ class _Holders:
         return self.sets[code - self.num_sequences]
 
 
-def take_pool_view(pool: BlockPool, tables: list[tuple[int, ...]]) -> PoolView:
-    """One pool; `tables[i]` are the block ids sequence i holds in it."""
+def take_pool_view(pool: BlockPool, tables: list[tuple[int, ...]],
+                   leases: Mapping[int, int] | None = None) -> PoolView:
+    """One pool; `tables[i]` are the block ids sequence i holds in it, `leases` the live
+    leases on its blocks (block id -> how many; a kv_producer's device pool)."""
     capacity = pool.capacity_blocks
     ref_counts = np.array(pool._ref_counts, dtype=np.int64)
     online = np.array(pool._is_online, dtype=bool)
@@ -69,7 +73,8 @@ def take_pool_view(pool: BlockPool, tables: list[tuple[int, ...]]) -> PoolView:
                      filled[starts].tolist(), holder_sets))
     layout = pool.layout
     return PoolView(layout.block_size, pool.num_blocks, capacity, layout.bytes_per_block,
-                    layout.dtype, runs, _short_hashes(pool), _age_runs(pool, online), lru)
+                    layout.dtype, runs, _short_hashes(pool), _age_runs(pool, online), lru,
+                    dict(leases or {}))
 
 
 def _short_hashes(pool: BlockPool) -> ShortHashes:

@@ -5,7 +5,7 @@ Both data routes run their engine work as a command on the engine thread, betwee
 worker thread, so neither the event loop nor the engine waits on a 100,000-block serialisation.
 
 Tenant isolation: a snapshot's sequences are tagged with the tenant their cache salt names
-(`tenant_of_salt`); a tenant's view lists only its own and shows blocks held by anyone else as
+(`tenant_of_salt`); a tenant's view lists only its own and shows blocks only others hold as
 "other", with the hashes, ages, LRU order and evictions of blocks its sequences do not hold
 left out (`KVSnapshot.restricted_to`). An admin key, or a server without keys, sees everything
 (`request.state.sees_all_tenants`, set by the middleware); so does `explain` reveal which other
@@ -34,7 +34,12 @@ from kvpool.engine.errors import InvalidRequestError
 from kvpool.formats.kv_snapshot import KVSnapshot
 from kvpool.formats.snapshot_runs import SHORT_HASH_BYTES
 from kvpool.inspect.explain import explain_prompt
-from kvpool.inspect.palette import BACKGROUND_COLOUR, BLOCK_COLOURS, SHARED_MARKER_COLOUR
+from kvpool.inspect.palette import (
+    BACKGROUND_COLOUR,
+    BLOCK_COLOURS,
+    LEASED_COLOUR,
+    SHARED_MARKER_COLOUR,
+)
 from kvpool.openai.auth import tenant_of_salt
 from kvpool.openai.errors import OpenAIError, bad_request
 from kvpool.openai.protocol import ErrorResponse, RequestModel, TokenId
@@ -146,7 +151,7 @@ def dashboard_html() -> str:
     once."""
     static = resources.files("kvpool.server") / "static"
     config = {"states": BLOCK_COLOURS, "shared": SHARED_MARKER_COLOUR,
-              "background": BACKGROUND_COLOUR,
+              "leased": LEASED_COLOUR, "background": BACKGROUND_COLOUR,
               "short_hash_chars": 2 * SHORT_HASH_BYTES}  # to split the snapshot's "hashes"
     # "<" escaped so no value can close the <script> element it sits in.
     config_json = json.dumps(config).replace("<", "\\u003c")

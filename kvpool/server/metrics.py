@@ -30,6 +30,10 @@ Those with a vLLM twin are served under their `vllm:` name too (`vllm_metric_nam
                kvpool:disk_cache_{stored_blocks,rejected_files,evicted_files,write_errors}_total
     shared     kvpool:kv_shared_{up,pending_bytes}, kvpool:kv_shared_{stored_blocks,
                loaded_blocks,rejected_blocks,errors,dropped_writes,reconnects}_total
+    transfer   (with kv_transfer_config) kvpool:kv_transfer_{blocks,bytes}_total{direction},
+               kvpool:kv_transfer_failures_total{reason} (every reason, zeros too),
+               kvpool:kv_transfer_leases_total{outcome}, kvpool:kv_transfer_seconds (loads),
+               gauges kvpool:kv_transfer_{live_leases,leased_blocks,loads_in_flight}
     info       kvpool:cache_config_info{block_size, cache_dtype, num_gpu_blocks,
                bytes_per_block} = 1 (vLLM's cache_config_info; cache_dtype is the KV storage
                dtype, e.g. "int8" or "float8_e4m3fn")
@@ -37,13 +41,21 @@ Those with a vLLM twin are served under their `vllm:` name too (`vllm_metric_nam
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvpool.engine.async_engine import AsyncLLMEngine, EngineSnapshot
+from kvpool.engine.kv_connector.stats import LOAD_SECONDS_BUCKETS, KVTransferStats
 from kvpool.engine.requests.outputs import RequestOutput
 from kvpool.memory.block_pool import BlockPoolStats
 from kvpool.memory.tiers.redis_tier import SharedTierStats
@@ -113,6 +125,8 @@ class EngineCollector(Collector):
         yield from self._tier_metrics(snapshot)
         if snapshot.kv_tiers.shared is not None:
             yield from self._shared_metrics(snapshot.kv_tiers.shared)
+        if snapshot.kv_transfer is not None:
+            yield from self._kv_transfer_metrics(snapshot.kv_transfer)
         yield self._cache_config(snapshot.memory)
 
     def _tier_metrics(self, snapshot: EngineSnapshot) -> Iterator[Metric]:
@@ -166,10 +180,11 @@ class EngineCollector(Collector):
             ]
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, name, documentation, value)
-        yield self._by_source("cached_tokens", "Prompt tokens served by the prefix cache of each "
-                              "tier (device, host, disk, shared).", stats.cached_tokens_by_tier)
-        yield self._by_source("kv_reloaded_blocks", "Prefix blocks copied up to the device, by "
-                              "source tier.", tiers.num_reloaded_blocks)
+        yield self._by_label("cached_tokens", "Prompt tokens served by the prefix cache of each "
+                             "tier (device, host, disk, shared).", "source",
+                             stats.cached_tokens_by_tier)
+        yield self._by_label("kv_reloaded_blocks", "Prefix blocks copied up to the device, by "
+                             "source tier.", "source", tiers.num_reloaded_blocks)
 
     def _shared_metrics(self, shared: SharedTierStats) -> Iterator[Metric]:
         """The shared tier (Redis): whether it is up, and what it wrote, served and refused."""
@@ -193,6 +208,45 @@ class EngineCollector(Collector):
         for name, documentation, value in counters:
             yield self._family(CounterMetricFamily, f"kv_shared_{name}", documentation, value)
 
+    def _kv_transfer_metrics(self, transfer: KVTransferStats) -> Iterator[Metric]:
+        """The KV connector (disaggregated prefill and decode): what moved, what failed, the
+        leases a producer holds and how long a consumer's loads took. The live-lease gauge is
+        `live_leases`, since `kv_transfer_leases` is the lease counter's family name."""
+        gauges = [("live_leases", "Leases a producer holds for decode workers.",
+                   transfer.num_leases),
+                  ("leased_blocks", "KV blocks those leases hold (a block counts once).",
+                   transfer.num_leased_blocks),
+                  ("loads_in_flight", "Handed-over prompts a consumer is loading.",
+                   transfer.num_loading)]
+        for name, documentation, value in gauges:
+            yield self._family(GaugeMetricFamily, f"kv_transfer_{name}", documentation, value)
+        yield self._by_label("kv_transfer_blocks", "KV blocks handed over: sent (leases their "
+                             "reader released) and received (loaded here).", "direction",
+                             {"sent": transfer.num_sent_blocks,
+                              "received": transfer.num_received_blocks})
+        yield self._by_label("kv_transfer_bytes", "KV bytes handed over, sent and received.",
+                             "direction", {"sent": transfer.num_sent_bytes,
+                                           "received": transfer.num_received_bytes})
+        yield self._by_label("kv_transfer_failures", "KV loads that failed, by reason "
+                             "(kvpool.engine.kv_connector.errors).", "reason",
+                             transfer.failures_by_reason)
+        yield self._by_label("kv_transfer_leases", "Leases a producer granted, and how they "
+                             "ended.", "outcome", {"granted": transfer.num_leases_granted,
+                                                   "released": transfer.num_leases_released,
+                                                   "expired": transfer.num_leases_expired})
+        yield self._load_seconds(transfer)
+
+    def _load_seconds(self, transfer: KVTransferStats) -> Metric:
+        """The load-latency histogram, its per-bucket counts made cumulative (Prometheus')."""
+        bounds = [*map(floatToGoString, LOAD_SECONDS_BUCKETS), "+Inf"]
+        cumulative = itertools.accumulate(transfer.load_seconds_counts)
+        family = HistogramMetricFamily("kvpool:kv_transfer_seconds", "Seconds a consumer took "
+                                       "to load a handed-over prompt's blocks (successful "
+                                       "loads).", labels=["model_name"])
+        family.add_metric([self.model_name], list(zip(bounds, cumulative, strict=True)),
+                          transfer.load_seconds_sum)
+        return family
+
     def _accepted_per_position(self, counts: tuple[int, ...]) -> Metric:
         family = CounterMetricFamily("kvpool:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft.",
@@ -201,11 +255,13 @@ class EngineCollector(Collector):
             family.add_metric([self.model_name, str(position)], count)
         return family
 
-    def _by_source(self, name: str, documentation: str, values: dict[str, int]) -> Metric:
+    def _by_label(self, name: str, documentation: str, label: str,
+                  values: dict[str, int]) -> Metric:
+        """A counter with one sample per value of `label` (`values`: label value -> count)."""
         family = CounterMetricFamily(f"kvpool:{name}", documentation,
-                                     labels=["model_name", "source"])
-        for source, value in values.items():
-            family.add_metric([self.model_name, source], value)
+                                     labels=["model_name", label])
+        for key, value in values.items():
+            family.add_metric([self.model_name, key], value)
         return family
 
     def _cache_config(self, memory: BlockPoolStats) -> Metric:

@@ -1,5 +1,6 @@
 """The snapshot summary and the pool map: exact figures from a real engine whose request forks
-(n=2, so its prompt blocks are shared), and a 100,000-block map drawn in reasonable time."""
+(n=2, so its prompt blocks are shared), a 100,000-block map drawn in reasonable time, and a
+producer's leased blocks in their own colour and figure."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from kvpool.engine.config import EngineConfig
@@ -25,7 +27,8 @@ from kvpool.formats.kv_snapshot import (
     PoolView,
     SequenceView,
 )
-from kvpool.inspect.pool_map import draw_pool_map, grid_shape
+from kvpool.inspect.palette import BLOCK_COLOURS, LEASED_COLOUR
+from kvpool.inspect.pool_map import _pool_image, draw_pool_map, grid_shape
 from kvpool.inspect.summary import format_summary, summary_json
 from kvpool.memory.block_pool import BlockPoolStats
 
@@ -126,3 +129,25 @@ def test_the_grid_is_64_wide_for_small_pools() -> None:
     assert grid_shape(33) == (1, 64)
     assert grid_shape(2048) == (32, 64)
     assert np.prod(grid_shape(2049)) >= 2049
+
+
+def test_leased_blocks_take_the_lease_colour_and_are_counted() -> None:
+    """Blocks 1-2 held by a lease alone, block 3 by a sequence and a lease, 4 by a sequence."""
+    runs = (BlockRun(0, 1, OFFLINE, 0, 0), BlockRun(1, 2, USED, 1, 16),
+            BlockRun(3, 1, USED, 2, 16, (0,)), BlockRun(4, 1, USED, 1, 16, (0,)),
+            BlockRun(5, 3, FREE, 0, 0))
+    view = PoolView(16, 7, 8, 36864, "bfloat16", runs, {}, ((1, 7, 1.0),), (),
+                    leases={1: 1, 2: 1, 3: 1})
+    image = _pool_image(view)
+    cell = image.shape[0]  # one row of 64 cells
+
+    def colour(block_id: int) -> tuple[float, ...]:
+        return tuple(image[0, block_id * cell])  # the top-left corner, clear of the marks
+
+    assert [colour(b) for b in (1, 2, 3)] == [to_rgb(LEASED_COLOUR)] * 3
+    assert colour(4) == to_rgb(BLOCK_COLOURS[USED]) and colour(5) == to_rgb(BLOCK_COLOURS[FREE])
+    stats = BlockPoolStats(7, 16, "bfloat16", 36864, 3, 4, 0, 4 / 7, 0, 4, 0, 0, 0, 0, 0, 0)
+    derived = DerivedFigures(0.0, 3, 0.0, 0.0, 0.0, 0.0, 0.25, 1, num_leased_blocks=3)
+    sequences = (SequenceView("req-0", 0, "running", 32, 32, (3, 4)),)
+    snapshot = KVSnapshot(time.time(), 1, {"device": view}, sequences, stats, derived)
+    assert "leased 3 blocks, kept for decode workers to read" in format_summary(snapshot)

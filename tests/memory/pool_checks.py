@@ -28,8 +28,8 @@ def assert_view_matches_pool(view: PoolView, pool: BlockPool,
                              tables: list[tuple[int, ...]]) -> None:
     """A `PoolView` of `pool` (taken with `tables`, sequence i holding `tables[i]`) says what
     the pool says: runs cover every id once, state counts equal `stats()`, a used block's
-    ref_count is its number of holders and each holder's table lists it, hashes and the LRU
-    order are the pool's."""
+    ref_count is its number of holders plus its leases and each holder's table lists it, only
+    used blocks have leases, hashes and the LRU order are the pool's."""
     assert [run.first_id for run in view.runs] == sorted(run.first_id for run in view.runs)
     covered = [block_id for run in view.runs for block_id in run.block_ids]
     assert covered == list(range(pool.capacity_blocks)), "runs must cover every id once"
@@ -45,10 +45,11 @@ def assert_view_matches_pool(view: PoolView, pool: BlockPool,
     for info in view.blocks():
         assert info.ref_count == pool._ref_counts[info.block_id]
         if info.state == USED:
-            assert info.ref_count == len(info.holders), f"block {info.block_id}"
-            assert sorted(info.holders) == sorted(holders_of[info.block_id])
+            assert info.ref_count == len(info.holders) + info.num_leases, f"block {info.block_id}"
+            assert sorted(info.holders) == sorted(holders_of.get(info.block_id, []))
         else:
             assert info.holders == () and info.block_id not in holders_of
+            assert info.num_leases == 0, f"block {info.block_id}"
         assert (info.short_hash is not None) == pool.prefix_cache.is_cached(info.block_id)
         assert (info.age_s is None) == (info.state == OFFLINE or math.isnan(
             pool._last_use[info.block_id]))

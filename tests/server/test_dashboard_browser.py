@@ -3,7 +3,8 @@
 The grid draws one cell per block id (64 online + the null block); long streams turn free
 blocks into used ones (and an n=2 request's prompt blocks into shared ones) on the map without
 a reload; hovering a block shows its tooltip; clicking a request highlights its block table.
-With keys configured the page asks for one, then shows the map. Chromium and chromedriver are
+With keys configured the page asks for one, then shows the map. A KV producer's leased blocks
+are drawn in the lease colour until the lease ends. Chromium and chromedriver are
 installed by `make setup`: a missing browser fails the test, it never skips it."""
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
+from kvpool.inspect.palette import LEASED_COLOUR
 from kvpool.openai.auth import ApiKeyTable
 from kvpool.server.config import ServerConfig
 from scripts.screenshots import headless_chromium, hover_block
+from tests.engine.kv_connector.loopback_pair import CONSUMER, PRODUCER
+from tests.engine.kv_connector.loopback_pair import PROMPT as HANDOVER_PROMPT
 from tests.server.conftest import MODEL, RunningServer, slow_steps
 
 NUM_BLOCKS = 64
@@ -61,6 +65,17 @@ def grid_data(browser: WebDriver) -> dict[str, Any]:
             "states": json.loads(grid.get_attribute("data-state-counts") or "{}"),
             "shared": int(grid.get_attribute("data-shared-count") or 0),
             "highlighted": int(grid.get_attribute("data-highlighted-count") or 0)}
+
+
+def cell_colour(browser: WebDriver, grid: Any, block_id: int) -> str:
+    """The colour drawn in a corner of `block_id`'s cell, as "#rrggbb"."""
+    red, green, blue = browser.execute_script("""
+        const [canvas, id] = arguments, ratio = window.devicePixelRatio || 1;
+        const cell = Number(canvas.dataset.cellSize), columns = Number(canvas.dataset.columns);
+        const x = (id % columns) * cell + 1, y = Math.floor(id / columns) * cell + 1;
+        return Array.from(canvas.getContext("2d").getImageData(x * ratio, y * ratio, 1, 1)
+                          .data.slice(0, 3));""", grid, block_id)
+    return f"#{red:02x}{green:02x}{blue:02x}"
 
 
 def request_rows(browser: WebDriver) -> list[Any]:
@@ -124,6 +139,31 @@ def test_the_map_follows_the_pool_and_answers_hover_and_click(
     assert {c.get_attribute("id") for c in charts} >= {"chart-usage", "chart-hit-rate",
                                                        "chart-alloc-rate", "chart-preemptions",
                                                        "chart-fragmentation"}
+
+
+def test_a_producers_leased_blocks_have_a_colour_of_their_own(browser, make_server) -> None:
+    producer = make_server(num_gpu_blocks=NUM_BLOCKS, kv_transfer_config=PRODUCER)
+    consumer = make_server(num_gpu_blocks=NUM_BLOCKS, kv_transfer_config=CONSUMER)
+    body = {"model": MODEL, "prompt": HANDOVER_PROMPT, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    handover = httpx.post(f"{producer.base_url}/v1/completions", json=body,
+                          timeout=60).json()["kv_transfer_params"]
+    browser.get(f"{producer.base_url}/dashboard?interval=200")
+    grid = browser.find_element(By.ID, "block-grid")
+    wait_for(browser, lambda: grid.get_attribute("data-leased-count") == str(
+        len(handover["remote_block_ids"])))
+    first = handover["remote_block_ids"][0]
+    assert cell_colour(browser, grid, first) == LEASED_COLOUR
+    assert "leased for decode" in browser.find_element(By.ID, "legend").text
+    tooltip = browser.find_element(By.ID, "block-tooltip")
+    hover_block(browser, grid, first)
+    wait_for(browser, lambda: "1 lease(s): kept for a decode worker" in tooltip.text)
+
+    body = {**body, "max_tokens": 4, "kv_transfer_params": handover}
+    assert httpx.post(f"{consumer.base_url}/v1/completions", json=body,
+                      timeout=60).status_code == 200
+    wait_for(browser, lambda: grid.get_attribute("data-leased-count") == "0")  # released
+    assert cell_colour(browser, grid, first) != LEASED_COLOUR
 
 
 def test_the_page_asks_for_a_key_when_the_server_needs_one(browser, make_server) -> None:

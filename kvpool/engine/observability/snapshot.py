@@ -1,20 +1,22 @@
 """`take_kv_snapshot(...)`: an engine's KV memory as one `KVSnapshot`, between steps.
 
 It reads the narrow parts it needs, never the engine: the KV memory, the unfinished requests,
-where swapped sequences' blocks are (the KV manager's), the step count and the pool's rates.
+where swapped sequences' blocks are (the KV manager's), the step count, the pool's rates and
+the KV connector's live leases (a kv_producer keeps a handed-over prompt's blocks for its
+decode workers: used blocks that may be in no sequence's table).
 A hybrid model's KV cache groups each have their pools ("device/g1", ...) and each sequence
 its table per group.
 
 Each pool is read by `kvpool.memory.pool_view.take_pool_view`. The holders of each block come
 from the sequences' block tables: every table of every unfinished request (waiting ones hold
 no device blocks; a swapped sequence's blocks are on the host, listed as its
-`host_block_ids`).
+`host_block_ids`); the leases on each device block from the connector's `leased_block_ids`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from kvpool.engine.sequence import Request, Sequence, SequenceStatus
 from kvpool.formats.kv_media import group_medium
@@ -37,9 +39,11 @@ SwappedKVOf = Callable[[Sequence], SwappedKV | None]  # a sequence's host blocks
 
 def take_kv_snapshot(memory: KVMemory | HybridKVMemory, requests: Iterable[Request],
                      swapped_kv: SwappedKVOf, num_steps: int,
-                     rates: tuple[float, float, float]) -> KVSnapshot:
+                     rates: tuple[float, float, float],
+                     leases: Mapping[int, int] | None = None) -> KVSnapshot:
     """The pools, the unfinished requests' sequences and the derived figures, after
-    `num_steps` steps; `rates`: the device pool's (alloc/s, free/s, window seconds). Every
+    `num_steps` steps; `rates`: the device pool's (alloc/s, free/s, window seconds);
+    `leases`: live leases per device block id (`KVConnectorBase.leased_block_ids`). Every
     pool with a prefix cache is drawn: the device's and the host tier's, per KV cache group
     (named as KV events name them: "device", "host", "device/g1", ...)."""
     pool = memory.pool
@@ -47,7 +51,8 @@ def take_kv_snapshot(memory: KVMemory | HybridKVMemory, requests: Iterable[Reque
     pools = {}
     for group_pool, group in memory.cache_pools():
         tables = [seq.blocks_in(group_pool.medium, group) for seq in sequences]
-        pools[group_medium(group_pool.medium, group)] = take_pool_view(group_pool, tables)
+        name = group_medium(group_pool.medium, group)
+        pools[name] = take_pool_view(group_pool, tables, leases if name == "device" else None)
     summaries = {tier.name: tier.summary() for tier in memory.tiers.tiers if tier.pool is None}
     stats = memory.block_stats()  # a hybrid pool's: over every group, in first-group blocks
     return KVSnapshot(
@@ -93,4 +98,5 @@ def _derived(device: PoolView, stats: BlockPoolStats,
         cached_fraction=stats.num_cached_blocks / stats.num_blocks if stats.num_blocks else 0.0,
         shared_fraction=num_shared / num_used if num_used else 0.0,
         num_shared_blocks=num_shared,
+        num_leased_blocks=len(device.leases),
     )

@@ -3,11 +3,14 @@
 // ever put into the page as textContent (request ids are the clients' own strings).
 //
 // Test hooks: #block-grid carries data-block-count, data-online-blocks, data-state-counts
-// (JSON), data-shared-count, data-highlighted-count, data-cell-size, data-columns and
-// data-step; #block-tooltip carries data-block-id; request rows carry data-request-id.
+// (JSON), data-shared-count, data-leased-count, data-highlighted-count, data-cell-size,
+// data-columns and data-step; #block-tooltip carries data-block-id; request rows carry
+// data-request-id.
 "use strict";
 (() => {
   // Injected by the server: the block palette (kvpool/inspect/palette.py), the short hash width.
+  // A block a live lease holds (a kv_producer's, kept for a decode worker) is drawn in the
+  // lease colour whatever its state.
   const CONFIG = JSON.parse(document.getElementById("dashboard-config").textContent);
   const COLOURS = CONFIG.states, STATES = Object.keys(COLOURS);
   const KEY_STORAGE = "kvpool-api-key";
@@ -81,7 +84,7 @@
   function indexPool(pool) {
     const n = pool.capacity_blocks;
     const state = new Uint8Array(n), run = new Int32Array(n);
-    const age = new Float64Array(n).fill(NaN);
+    const age = new Float64Array(n).fill(NaN), leases = new Int32Array(n);
     const counts = Object.fromEntries(STATES.map((s) => [s, 0]));
     const other = STATES.indexOf("other");
     pool.runs.forEach(([first, count, name], r) => {
@@ -93,8 +96,14 @@
     for (const [first, count, seconds] of pool.ages) {
       if (seconds !== null) age.fill(seconds, first, first + count);
     }
+    let numLeased = 0;
+    for (const [first, count, number] of pool.leases || []) {  // older snapshots have none
+      leases.fill(number, first, first + count);
+      numLeased += count;
+    }
     const numShared = pool.runs.reduce((sum, r) => sum + (r[3] > 1 ? r[1] : 0), 0);
-    return {pool, n, state, run, age, counts, numShared, hashes: expandHashes(pool.hashes)};
+    return {pool, n, state, run, age, leases, counts, numShared, numLeased,
+            hashes: expandHashes(pool.hashes)};
   }
 
   // [[first_id, "labels of consecutive ids, concatenated"], ...] -> Map(id -> label)
@@ -239,7 +248,7 @@
       const isLit = mask === null || mask[id] === 1;
       numHighlighted += mask !== null && isLit ? 1 : 0;
       ctx.globalAlpha = isLit ? 1 : 0.25;  // a selection fades every other block
-      ctx.fillStyle = COLOURS[STATES[index.state[id]]];
+      ctx.fillStyle = index.leases[id] > 0 ? CONFIG.leased : COLOURS[STATES[index.state[id]]];
       ctx.fillRect(x, y, cell - gap, cell - gap);
       if (index.pool.runs[index.run[id]][3] > 1) drawSharedMark(ctx, x, y, cell - gap);
     }
@@ -247,8 +256,8 @@
     Object.assign(canvas.dataset, {
       blockCount: String(index.n), onlineBlocks: String(index.pool.num_blocks),
       stateCounts: JSON.stringify(index.counts), sharedCount: String(index.numShared),
-      highlightedCount: String(numHighlighted), cellSize: String(cell),
-      columns: String(columns),
+      leasedCount: String(index.numLeased), highlightedCount: String(numHighlighted),
+      cellSize: String(cell), columns: String(columns),
     });
   }
 
@@ -276,6 +285,7 @@
     };
     for (const state of STATES) entry(COLOURS[state], state + " " + index.counts[state]);
     entry(CONFIG.shared, "shared (ref count > 1) " + index.numShared, true);
+    if (index.numLeased > 0) entry(CONFIG.leased, "leased for decode " + index.numLeased);
   }
 
   function renderCharts() {
@@ -379,6 +389,8 @@
                    (refCount > 1 ? " (shared)" : "")];
     if (owners.length) lines.push("owners: " + owners.join(", "));
     if (state === "other") lines.push("owners: another tenant");
+    const numLeases = index.leases[id];
+    if (numLeases > 0) lines.push(numLeases + " lease(s): kept for a decode worker");
     const hash = index.hashes.get(id);
     if (hash !== undefined) lines.push("hash " + hash);
     lines.push("filled " + filled + " / " + index.pool.block_size + " slots");

@@ -1,6 +1,7 @@
 """`LLMEngine.kv_snapshot()`: after every step of runs that fork, share prefixes, preempt
 (recompute and swap) and resize an elastic pool, the snapshot says exactly what the pools and
-the sequences' tables say; it survives its JSON form, and a tenant's view hides the others."""
+the sequences' tables say; it survives its JSON form, and a tenant's view hides the others. A
+KV producer's leased blocks show, with their lease counts, until the leases end."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ import pytest
 from kvpool.engine.sampling_params import SamplingParams
 from kvpool.formats.kv_snapshot import OTHER, USED, KVSnapshot
 from tests.engine.conftest import PROMPTS, run_all
+from tests.engine.kv_connector.loopback_pair import (
+    CONSUMER,
+    NUM_HANDED_OVER,
+    PRODUCER,
+    decode,
+    prefill,
+)
 from tests.engine.test_elastic_engine import ELASTIC, ELASTIC_PARAMS, ELASTIC_PROMPTS
 from tests.memory.pool_checks import assert_view_matches_pool
 
@@ -33,6 +41,8 @@ def check_snapshot(engine) -> KVSnapshot:
         assert_view_matches_pool(snapshot.pools["host"], host.pool,
                                  [seq.host_block_ids for seq in snapshot.sequences])
     assert snapshot.stats == engine.kv_memory.block_stats()  # the pool's own figures
+    assert snapshot.device.leases == engine.kv_connector.leased_block_ids()
+    assert snapshot.derived.num_leased_blocks == len(snapshot.device.leases)
     return snapshot
 
 
@@ -121,3 +131,46 @@ def test_a_tenant_view_lists_its_own_sequences_and_hides_the_others(make_engine)
     assert "cache_salt" not in json.dumps(view.to_json())
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_producers_leased_blocks_show_until_their_leases_end(make_fast_engine):
+    options = {"num_gpu_blocks": 32, "enable_warmup": False}
+    producer = make_fast_engine(**options, kv_transfer_config=PRODUCER)
+    consumer = make_fast_engine(**options, kv_transfer_config=CONSUMER)
+    first, second = prefill(producer), prefill(producer)  # the second leases the cached blocks
+    leased = first["remote_block_ids"]
+    assert second["remote_block_ids"] == leased and len(leased) == NUM_HANDED_OVER
+    snapshot = check_snapshot(producer)
+    assert snapshot.sequences == ()  # no request holds them: the leases alone do
+    assert snapshot.device.leases == dict.fromkeys(leased, 2)
+    assert snapshot.derived.num_leased_blocks == NUM_HANDED_OVER
+    held = [b for b in snapshot.device.blocks() if b.state == USED]
+    assert [(b.block_id, b.ref_count, b.holders, b.num_leases) for b in held] == [
+        (block_id, 2, (), 2) for block_id in leased]
+    doc = json.loads(json.dumps(snapshot.to_json(), allow_nan=False))
+    assert doc["pools"]["device"]["leases"] == [[leased[0], NUM_HANDED_OVER, 2]]
+    assert KVSnapshot.from_json(doc) == snapshot
+    tenant = snapshot.restricted_to(lambda seq: False)  # nobody's sequence: not "other"
+    assert tenant.device.count(USED) == NUM_HANDED_OVER and tenant.device.count(OTHER) == 0
+    assert tenant.device.leases == snapshot.device.leases
+    assert not set(leased) & set(tenant.device.hashes)
+
+    decode(consumer, first)
+    decode(consumer, second)  # cached on the consumer now: it only releases the lease
+    producer.resize_kv_pool()  # the tick that ends the leases their reader released
+    after = check_snapshot(producer)
+    assert after.device.leases == {} and after.derived.num_leased_blocks == 0
+    assert after.device.count(USED) == 0 and set(leased) <= set(after.device.lru)
+    assert after.to_json()["pools"]["device"]["leases"] == []
+
+
+def test_a_snapshot_from_before_leases_reads_and_newer_keys_are_skipped(make_fast_engine):
+    engine = make_fast_engine(num_gpu_blocks=32, enable_warmup=False)
+    run_all(engine, [PROMPTS[0]])
+    doc = engine.kv_snapshot().to_json()
+    older = json.loads(json.dumps(doc))
+    del older["pools"]["device"]["leases"], older["derived"]["num_leased_blocks"]
+    assert KVSnapshot.from_json(older).to_json() == doc
+    newer = json.loads(json.dumps(doc))
+    newer["derived"]["num_future_blocks"] = newer["stats"]["num_future_blocks"] = 7
+    assert KVSnapshot.from_json(newer).to_json() == doc
