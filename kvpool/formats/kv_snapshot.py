@@ -10,8 +10,9 @@ Block states (`BlockRun.state`):
 
     free      ref_count 0, no hash: on the free list
     used      ref_count > 0: held by `holders`, the sequences whose tables list it, and by
-              `leases`, a producer's live leases on it for decode workers (kv_transfer_config):
-              a used block with leases and no holder is KV kept for a handover
+              `leases`, references held for transfers (kv_transfer_config): a producer's live
+              leases for decode workers, a consumer's loads until their request ends; a used
+              block with leases and no holder is KV kept for a handover
     cached    ref_count 0, hashed: kept for prefix reuse; evicted LRU when nothing is free.
               Cached is not leaked: it is free memory that still remembers a prefix.
     offline   no memory behind the id: the null block, or a segment an elastic pool gave back

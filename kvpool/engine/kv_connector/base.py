@@ -82,7 +82,7 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def leased_block_ids(self) -> dict[int, int]:
-        """Block id -> live leases holding it (a producer's; for the snapshot)."""
+        """Block id -> references held for transfers, no request's (for the snapshot)."""
 
     @property
     @abstractmethod

@@ -123,6 +123,12 @@ class KVConsumer:
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_LOADS, "kv-load")
         self.stats = ReceiveStats()
 
+    def held_block_ids(self) -> list[int]:
+        """The blocks every load holds a reference on (a block twice if held twice)."""
+        tables = [*(load.table for load in self._loading.values()), *self._held.values(),
+                  *self._quarantined]
+        return [block_id for table in tables for block_id in table.live_block_ids]
+
     @property
     def num_quarantined_blocks(self) -> int:
         return sum(len(table.live_block_ids) for table in self._quarantined)

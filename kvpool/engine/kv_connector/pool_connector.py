@@ -152,12 +152,15 @@ class PoolKVConnector(KVConnectorBase):
         return held + (0 if self.consumer is None else self.consumer.num_quarantined_blocks)
 
     def leased_block_ids(self) -> dict[int, int]:
-        """Block id -> live leases holding it (for the snapshot)."""
+        """Block id -> references held for transfers (for the snapshot): a producer's live
+        leases, and a consumer's loads (in flight, given up mid-transfer, or loaded and
+        held until their request ends)."""
         held: dict[int, int] = {}
+        block_ids = [] if self.consumer is None else self.consumer.held_block_ids()
         if self.producer is not None:
-            for lease in self.producer.live_leases():
-                for block_id in lease.block_ids:
-                    held[block_id] = held.get(block_id, 0) + 1
+            block_ids += [b for lease in self.producer.live_leases() for b in lease.block_ids]
+        for block_id in block_ids:
+            held[block_id] = held.get(block_id, 0) + 1
         return held
 
     def close(self) -> None:
