@@ -16,6 +16,7 @@ from tests.engine.kv_connector.loopback_pair import (
     CONSUMER,
     NUM_HANDED_OVER,
     PRODUCER,
+    PROMPT,
     decode,
     prefill,
 )
@@ -174,3 +175,24 @@ def test_a_snapshot_from_before_leases_reads_and_newer_keys_are_skipped(make_fas
     newer = json.loads(json.dumps(doc))
     newer["derived"]["num_future_blocks"] = newer["stats"]["num_future_blocks"] = 7
     assert KVSnapshot.from_json(newer).to_json() == doc
+
+
+def test_a_consumers_loaded_blocks_show_as_transfer_holds(make_fast_engine):
+    """Loaded blocks keep the consumer's reference until their request ends: the snapshot
+    counts it with the leases, so every used block's ref_count is still accounted for."""
+    options = {"num_gpu_blocks": 32, "enable_warmup": False}
+    producer = make_fast_engine(**options, kv_transfer_config=PRODUCER)
+    consumer = make_fast_engine(**options, kv_transfer_config=CONSUMER)
+    handover = prefill(producer)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            extra_args={"kv_transfer_params": handover})
+    request = consumer.add_request(PROMPT, params)
+    while not (request.sequences and request.sequences[0].output_token_ids):
+        consumer.step()
+    snapshot = check_snapshot(consumer)
+    loaded = request.sequences[0].block_table.block_ids[:NUM_HANDED_OVER]
+    assert snapshot.device.leases == dict.fromkeys(loaded, 1)
+    while consumer.has_unfinished_requests():
+        consumer.step()
+    assert check_snapshot(consumer).device.leases == {}
+    producer.resize_kv_pool()
