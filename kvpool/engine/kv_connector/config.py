@@ -31,11 +31,12 @@ timeouts, and a port in 0..65535 (0: a free one).
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from kvpool.engine.json_options import check_known, drop_unsupported, option_fields
 
 CONNECTORS = ("MooncakeConnector", "LoopbackConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -106,31 +107,19 @@ class KVTransferConfig:
         ValueError naming the field for anything kvpool cannot honour."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_transfer_config is not JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a JSON object")
-        options = {name: given for name, given in value.items() if name not in _IGNORED}
-        for name, unset in _UNSET_ONLY.items():
-            if name in options and options.pop(name) != unset:
-                raise ValueError(f"kv_transfer_config: {name} is not supported (one engine "
-                                 f"per connector); leave it unset")
+        options = option_fields("kv_transfer_config", value)
+        for name in _IGNORED:
+            options.pop(name, None)
+        drop_unsupported("kv_transfer_config", options, _UNSET_ONLY,
+                         "one engine per connector; leave it unset")
         for name in ("kv_connector", "kv_role"):
             if options.get(name) is None:
                 raise ValueError(f"kv_transfer_config: {name} is required (one of "
                                  f"{CONNECTORS if name == 'kv_connector' else ROLES})")
-        if options.get("engine_id") is None:
-            options.pop("engine_id", None)
-        if options.get("kv_port") is None:
-            options.pop("kv_port", None)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown fields {unknown} (known: "
-                             f"{sorted(known | set(_IGNORED) | set(_UNSET_ONLY))})")
+        for name in ("engine_id", "kv_port"):  # vLLM's null: the default
+            if options.get(name) is None:
+                options.pop(name, None)
+        check_known("kv_transfer_config", options, (f.name for f in fields(cls)))
         return cls(**options)
 
 

@@ -34,9 +34,10 @@ The wire format and the events are `kvpool.formats.kv_events`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvpool.engine.json_options import check_known, drop_unsupported, option_fields
 
 PUBLISHERS = ("zmq", "null")
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
@@ -111,21 +112,8 @@ class KVEventsConfig:
         ValueError naming the field for anything kvpool cannot honour."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_events_config is not JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_events_config must be a JSON object")
-        options = dict(value)
-        for name, allowed in _VLLM_ONLY.items():
-            if name in options and options.pop(name) != allowed:
-                raise ValueError(f"kv_events_config: {name} is not supported (a consumer that "
-                                 "lost events resyncs from GET /v1/kv/events/snapshot)")
-        known = {field.name for field in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown fields {unknown} (known: "
-                             f"{sorted(known)})")
+        options = option_fields("kv_events_config", value)
+        drop_unsupported("kv_events_config", options, _VLLM_ONLY, "a consumer that lost "
+                         "events resyncs from GET /v1/kv/events/snapshot")
+        check_known("kv_events_config", options, (field.name for field in fields(cls)))
         return cls(**options)
