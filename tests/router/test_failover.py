@@ -13,19 +13,17 @@ so the conversation is token ids, each turn the previous prompt plus new tokens)
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool.bench.processes import free_port
+from tests.kvpool_processes import start_kvpool as start
+from tests.kvpool_processes import wait_healthy
 
 KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                         "endpoint": "tcp://127.0.0.1:*"})
@@ -33,29 +31,6 @@ TURN_1 = list(range(1, 41))  # 2 full blocks of 16
 TURN_2 = TURN_1 + list(range(41, 61))  # 3 full blocks
 TURN_3 = TURN_2 + list(range(61, 81))
 
-
-
-def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "kvpool", *args, "--port", str(port),
-               "--log-level", "warning"]
-    with log.open("w") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return process, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} never became healthy:\n{log.read_text()[-2000:]}")
 
 
 @pytest.fixture

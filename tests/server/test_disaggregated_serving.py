@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool.bench.processes import free_port
+from tests.kvpool_processes import start_kvpool, wait_healthy
 
 PROMPT = list(range(1, 90))  # 5 full blocks of 16 before the last token
 LEASE_SECONDS = 3.0
@@ -55,28 +53,14 @@ class Processes:
         self.running: dict[str, tuple[subprocess.Popen, Path]] = {}
 
     def start(self, name: str, args: list[str]) -> str:
-        port = free_port()
         log = self.directory / f"{name}.log"
-        command = [sys.executable, "-m", "kvpool", *args, "--port", str(port),
-                   "--log-level", "warning"]
-        with log.open("w") as output:
-            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        process, url = start_kvpool(args, log)
         self.running[name] = (process, log)
-        return f"http://127.0.0.1:{port}"
+        return url
 
     def wait_healthy(self, name: str, url: str) -> None:
         process, log = self.running[name]
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"{name} never became healthy:\n{log.read_text()[-3000:]}")
+        wait_healthy(process, url, log)
 
     def kill(self, name: str) -> None:
         process, _ = self.running[name]
