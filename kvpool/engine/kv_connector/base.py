@@ -87,8 +87,8 @@ class KVConnectorBase(ABC):
     @property
     @abstractmethod
     def num_held_blocks(self) -> int:
-        """Block references held for transfers, no request's: leases, and loads given up
-        while their transfer may still write."""
+        """Blocks held for transfers (`leased_block_ids`, each once): leases, and loads in
+        flight, held until their request ends, or given up while their transfer may write."""
 
     @abstractmethod
     def close(self) -> None:

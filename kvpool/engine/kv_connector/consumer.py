@@ -117,7 +117,7 @@ class KVConsumer:
         self._is_quiet = is_quiet
         self._loading: dict[str, _Load] = {}
         self._held: dict[str, BlockTable] = {}  # request id -> its loaded blocks
-        self._quarantined: list[BlockTable] = []  # given up while a transfer may run
+        self._quarantined: list[_Load] = []  # given up while their transfer may still run
         self._ready: list[Loaded] = []
         self._done = threading.Event()
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_LOADS, "kv-load")
@@ -125,13 +125,9 @@ class KVConsumer:
 
     def held_block_ids(self) -> list[int]:
         """The blocks every load holds a reference on (a block twice if held twice)."""
-        tables = [*(load.table for load in self._loading.values()), *self._held.values(),
-                  *self._quarantined]
+        tables = [*(load.table for load in [*self._loading.values(), *self._quarantined]),
+                  *self._held.values()]
         return [block_id for table in tables for block_id in table.live_block_ids]
-
-    @property
-    def num_quarantined_blocks(self) -> int:
-        return sum(len(table.live_block_ids) for table in self._quarantined)
 
     @property
     def num_loading(self) -> int:
@@ -184,16 +180,22 @@ class KVConsumer:
                 self._finish_load(load)
             elif now - load.started > self.timeout_seconds:
                 del self._loading[request_id]
-                self._quarantined.append(load.table)  # the transfer may still write
+                self._quarantined.append(load)  # its transfer may still write
                 self._give_up(load, KVTransferError(
                     "timeout", f"loading {len(load.pairs)} blocks took over "
                                f"{self.timeout_seconds} s"), now)
-        if self._quarantined and not self._loading and self._is_quiet():
-            for table in self._quarantined:
-                table.free()
-            self._quarantined.clear()
+        self._free_quarantined()
         ready, self._ready = self._ready, []
         return ready
+
+    def _free_quarantined(self) -> None:
+        """Blocks of loads given up go back once their thread returned and the transfer
+        engine runs no transfer past its deadline (one could still write them)."""
+        if not self._quarantined or not self._is_quiet():
+            return
+        for load in [load for load in self._quarantined if load.future.done()]:
+            load.table.free()
+            self._quarantined.remove(load)
 
     def wait(self, timeout: float) -> None:
         """Block until a load ends or `timeout` passes (a step with nothing else to do)."""

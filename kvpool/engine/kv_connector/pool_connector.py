@@ -148,8 +148,7 @@ class PoolKVConnector(KVConnectorBase):
 
     @property
     def num_held_blocks(self) -> int:
-        held = len(self.leased_block_ids())  # distinct blocks: leases may share one
-        return held + (0 if self.consumer is None else self.consumer.num_quarantined_blocks)
+        return len(self.leased_block_ids())  # distinct blocks: holds may share one
 
     def leased_block_ids(self) -> dict[int, int]:
         """Block id -> references held for transfers (for the snapshot): a producer's live

@@ -9,6 +9,7 @@ to idle (the fixtures check no block leaked and the invariants hold)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
@@ -211,6 +212,44 @@ def test_loads_leave_the_admission_watermark_free(pair, make_fast_engine) -> Non
     colocated = make_fast_engine(num_gpu_blocks=256, enable_warmup=False)
     assert decoded.outputs[0].token_ids == run(colocated, prompt, greedy()).outputs[0].token_ids
     assert consumer.kv_connector.stats().failures_by_reason["no_room"] == 1
+    settle(producer)
+
+
+class Stuck:
+    """A link whose read returns only when `done` is set (a transfer engine call that
+    overran its deadline and still runs)."""
+
+    def __init__(self, link, done: threading.Event) -> None:
+        self.link, self.done = link, done
+
+    def __getattr__(self, name):
+        return getattr(self.link, name)
+
+    def read(self, pairs) -> None:
+        self.done.wait(60)
+        self.link.read(pairs)
+
+
+def test_a_load_past_its_deadline_is_recomputed_and_its_blocks_wait_for_it(
+        pair, make_fast_engine) -> None:
+    producer, consumer = pair(consumer={"transfer": {"kv_connector_extra_config": {
+        "transfer_timeout_seconds": 0.2}}})
+    done = threading.Event()
+    wrap_link(consumer, lambda link: Stuck(link, done))
+    prompt = LONG[0]
+    handover = prefill(producer, prompt)
+    decoded = run(consumer, prompt, greedy(handover=handover))
+    colocated = make_fast_engine(num_gpu_blocks=256, enable_warmup=False)
+    assert decoded.outputs[0].token_ids == run(colocated, prompt, greedy()).outputs[0].token_ids
+    assert consumer.kv_connector.stats().failures_by_reason["timeout"] == 1
+    # The transfer still runs: its destination blocks are held, not handed to anyone.
+    stuck = consumer.kv_connector.num_held_blocks
+    assert stuck == len(handover["remote_block_ids"])
+    done.set()
+    deadline = time.monotonic() + 30
+    while consumer.kv_connector.num_held_blocks and time.monotonic() < deadline:
+        consumer.step()  # each step collects what ended
+    assert consumer.kv_connector.num_held_blocks == 0
     settle(producer)
 
 
