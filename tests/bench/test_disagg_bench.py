@@ -1,7 +1,7 @@
 """`kvpool bench disagg`: the workload is seeded and its long prompts share no prefix, the
 projection's arithmetic is exact, and one tiny run of both configurations (the random-weight
-`tiny` preset, real processes) reports every figure, consistent with the workload it sent.
-The handover's counters are asserted where the decode worker exports them."""
+`tiny` preset, real processes) reports every figure, consistent with the workload it sent:
+the handover's counters from the decode worker's /metrics included."""
 
 from __future__ import annotations
 
@@ -84,8 +84,6 @@ def test_the_handover_figures_match_the_workload(tiny_run) -> None:
     assert projection["measured"] is False and projection["rdma_gbps"] == 100.0
     assert projection["blocks_per_long_prompt"] == (120 - 1) // BLOCK_SIZE
     transfer = disagg["transfer"]
-    if transfer is None:
-        pytest.skip("the decode worker exports no kvpool:kv_transfer_* metrics")
     num_requests = disagg["num_chat_requests"] + disagg["num_long_requests"]
     assert transfer["blocks_received"] >= 2 * ((120 - 1) // BLOCK_SIZE)
     assert 0 < transfer["num_loads"] <= num_requests
