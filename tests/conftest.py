@@ -42,6 +42,7 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "attention/test_selector.py": ("processes",),
     "attention/test_triton_kernels.py": ("processes",),
     "bench/test_bench_serve.py": ("processes",),
+    "bench/test_disagg_bench.py": ("processes",),
     "bench/test_serve_noisy.py": ("processes",),
     "bench/test_tensor_parallel_bench.py": ("processes",),
     "benchmarks/test_gpu_check.py": ("slow", "processes"),

@@ -320,6 +320,50 @@ def add_tp_args(parser: Parser) -> None:
     _add_output_json(parser)
 
 
+def add_disagg_args(parser: Parser) -> None:
+    """`kvpool bench disagg`'s flags: the processes, the mixed workload and the projection."""
+    parser.add_argument("--model", default=None, help="what the servers serve (default: the "
+                        "bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--load-format", default=None,
+                        help="the servers' --load-format (dummy: random weights of a preset)")
+    parser.add_argument("--serve-args", default=None, metavar="FLAGS",
+                        help="more flags for every `kvpool serve`, one string: write "
+                        "--serve-args='--num-gpu-blocks 512 --no-enable-warmup'")
+    parser.add_argument("--configs", nargs="+", choices=("colocated", "disagg"),
+                        default=["colocated", "disagg"], metavar="CONFIG",
+                        help="colocated, disagg (default both, in that order)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="CPU threads in all: the colocated server's, split between the "
+                        "disaggregated workers (default 2)")
+    parser.add_argument("--prefill-threads", type=int, default=None,
+                        help="of --threads, the prefill worker's (default half); the decode "
+                        "worker gets the rest")
+    parser.add_argument("--num-chats", type=int, default=4,
+                        help="chats decoding back to back for the whole run (default 4)")
+    parser.add_argument("--chat-len", type=int, nargs=2, default=(64, 128),
+                        metavar=("MIN", "MAX"), help="a chat prompt's tokens (default 64 128)")
+    parser.add_argument("--chat-output-len", type=int, default=64,
+                        help="tokens each chat request generates (default 64)")
+    parser.add_argument("--num-long", type=int, default=4, help="long prompts (default 4)")
+    parser.add_argument("--long-len", type=int, default=1024,
+                        help="a long prompt's tokens (default 1024)")
+    parser.add_argument("--long-output-len", type=int, default=8,
+                        help="tokens each long prompt generates (default 8)")
+    parser.add_argument("--long-interval", type=float, default=6.0,
+                        help="seconds between long prompts' arrivals (default 6)")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                        help="for a model without a tokenizer: prompt ids are drawn below this")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--probe-repeats", type=int, default=2,
+                        help="after the disagg run, handovers of each size timed one at a "
+                        "time (default 2; 0: none, and no projection)")
+    parser.add_argument("--rdma-gbps", type=float, default=100.0,
+                        help="the projection's RDMA link, Gb/s (default 100)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw the chats' inter-token latency CDFs to PNG")
+    _add_output_json(parser)
+
+
 def _serve_engine_config(args: argparse.Namespace) -> EngineConfig | None:
     # Against a running server (--base-url) the engine flags describe nothing: no config.
     return engine_config_from_args(args) if args.base_url is None else None
@@ -372,4 +416,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("scale-out", "multi-turn chat over replicas behind `kvpool router`: round-robin "
           "vs prefix-aware routing vs prefix-aware with a shared Redis KV tier",
           scale_out.add_args, "scale_out", json_flag=False),
+    Bench("disagg", "short chats beside long prompts, colocated vs disaggregated prefill/"
+          "decode: the chats' inter-token latency, TTFTs, the KV handover's cost, and a "
+          "paper projection to RDMA", add_disagg_args, "disagg"),
 )

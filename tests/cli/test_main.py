@@ -27,7 +27,7 @@ def test_every_command_is_registered() -> None:
     bench = subparsers.choices["bench"]._subparsers._group_actions[0]
     assert set(bench.choices) == {"blocks", "throughput", "serve", "precision", "kv-capacity",
                                   "kv-granularity", "multi-turn", "structured", "kv-trace",
-                                  "snapshot", "tp", "scale-out", "speculative"}
+                                  "snapshot", "tp", "scale-out", "speculative", "disagg"}
 
 
 def test_building_the_parser_imports_nothing_heavy() -> None:
