@@ -132,6 +132,7 @@ def plot_itl(results: dict[str, ConfigResult], path: str | Path) -> None:
     """The chats' inter-token latency CDF per configuration, on one log-scale axis: the
     tail is where a long prefill shows."""
     from matplotlib.figure import Figure  # draws with the Agg canvas: no display needed
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     figure = Figure(figsize=(6.4, 4.0), layout="constrained")
     axes = figure.subplots()
@@ -140,6 +141,10 @@ def plot_itl(results: dict[str, ConfigResult], path: str | Path) -> None:
         if len(gaps):
             axes.step(gaps, np.arange(1, len(gaps) + 1) / len(gaps), where="post", label=name)
     axes.set_xscale("log")
+    # Milliseconds as plain numbers (1, 2, 5, 10, 20, 50, ...); no crowded minor labels.
+    axes.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axes.xaxis.set_minor_formatter(NullFormatter())
     axes.set_xlabel("chat inter-token latency (ms, log scale)")
     axes.set_ylabel("share of gaps at most this long")
     axes.set_title("short chats' ITL beside long prompts", fontsize=10)
