@@ -243,8 +243,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self.kv_connector.has_pending
 
     def request_counts(self) -> tuple[int, int]:
-        """(running requests, waiting requests)."""
-        return self.scheduler.request_counts()
+        """(running requests, waiting requests): a request whose KV is being loaded from a
+        prefill worker waits."""
+        running, waiting = self.scheduler.request_counts()
+        return running, waiting + self.kv_connector.num_pending
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

@@ -73,8 +73,13 @@ class KVConnectorBase(ABC):
 
     @property
     @abstractmethod
+    def num_pending(self) -> int:
+        """Requests loading, or loaded and not yet handed back (they wait, as far as a
+        caller counting requests is concerned)."""
+
+    @property
     def has_pending(self) -> bool:
-        """Some request is loading or loaded and not yet handed back."""
+        return self.num_pending > 0
 
     @abstractmethod
     def stats(self) -> KVTransferStats | None:
@@ -125,8 +130,8 @@ class NoKVConnector(KVConnectorBase):
         return None
 
     @property
-    def has_pending(self) -> bool:
-        return False
+    def num_pending(self) -> int:
+        return 0
 
     def stats(self) -> KVTransferStats | None:
         return None

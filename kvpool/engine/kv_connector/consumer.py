@@ -134,8 +134,13 @@ class KVConsumer:
         return len(self._loading)
 
     @property
+    def num_pending(self) -> int:
+        """Requests loading, or loaded and not yet handed to the scheduler."""
+        return len(self._loading) + len(self._ready)
+
+    @property
     def has_pending(self) -> bool:
-        return bool(self._loading or self._ready)
+        return self.num_pending > 0
 
     # ---------------------------------------------------------- step thread
     def start(self, request: Request, block_hashes: list, remote: RemotePrefill,
@@ -198,7 +203,10 @@ class KVConsumer:
             self._quarantined.remove(load)
 
     def wait(self, timeout: float) -> None:
-        """Block until a load ends or `timeout` passes (a step with nothing else to do)."""
+        """Block until a load ends or `timeout` passes (a step with nothing else to do); at
+        once if one has ended since the last `collect` (its signal may have been cleared)."""
+        if any(load.future.done() for load in self._loading.values()):
+            return
         self._done.wait(timeout)
         self._done.clear()
 

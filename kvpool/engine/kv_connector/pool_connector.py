@@ -121,8 +121,8 @@ class PoolKVConnector(KVConnectorBase):
             self.producer.tick(now)
 
     @property
-    def has_pending(self) -> bool:
-        return self.consumer is not None and self.consumer.has_pending
+    def num_pending(self) -> int:
+        return 0 if self.consumer is None else self.consumer.num_pending
 
     def stats(self) -> KVTransferStats:
         fields: dict[str, Any] = {"role": self.config.kv_role}

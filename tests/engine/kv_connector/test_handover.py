@@ -288,6 +288,7 @@ def test_aborts_free_both_sides(stage, pair) -> None:
         return
     handover = prefill(producer, prompt)
     request = consumer.add_request(prompt, greedy(handover=handover))
+    assert consumer.request_counts() == (0, 1)  # loading (or loaded, not yet scheduled): waits
     if stage == "decode":
         while consumer.kv_connector.has_pending or not request.sequences or not request.sequences[
                 0].output_token_ids:
