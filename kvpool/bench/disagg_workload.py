@@ -9,7 +9,6 @@ its own seeded offset (wrapping round the source's end), so long prompts share n
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Iterator
@@ -17,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from kvpool.bench.streamed import stream_completion
 
 MIN_TOKEN_ID = 10  # the lowest ids are special tokens in common vocabularies
 
@@ -124,30 +125,9 @@ class ConfigResult:
 async def _stream(http: httpx.AsyncClient, result: RequestResult, prompt: list[int],
                   max_tokens: int) -> RequestResult:
     """One streamed completion, its chunks' arrival times read as TTFT and ITLs."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk, now = json.loads(line[6:]), time.perf_counter()
-                if usage := chunk.get("usage"):
-                    result.output_tokens = usage["completion_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens") or 0
-                elif chunk.get("choices"):
-                    if not result.ttft:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-    except httpx.HTTPError as error:  # a failed request is reported, not fatal to the run
-        result.error = f"{type(error).__name__}: {error}"
+    times = await stream_completion(http, "bench", prompt, max_tokens)
+    result.ttft, result.itls, result.error = times.ttft, times.itls, times.error
+    result.output_tokens, result.cached_tokens = times.output_tokens, times.cached_tokens
     return result
 
 

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from kvpool.bench.streamed import stream_completion
+
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
 
@@ -77,31 +79,9 @@ class RequestResult:
 
 async def _send(http, model: str, prompt: list[int], output_len: int) -> RequestResult:
     """One streamed completion, timed from the client's side."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    result = RequestResult(len(prompt))
-    start = last = time.perf_counter()
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk, now = json.loads(line[6:]), time.perf_counter()
-                if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
-                elif chunk.get("choices"):
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-    except Exception as error:  # a failed request is reported, not fatal to the run
-        result.error = type(error).__name__
-    result.latency = time.perf_counter() - start
-    return result
+    times = await stream_completion(http, model, prompt, output_len)
+    return RequestResult(len(prompt), times.output_tokens, times.ttft, times.latency,
+                         times.itls, times.error)
 
 
 async def run_workload(
