@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvpool.engine.beams import BeamGroup
+    from kvpool.engine.kv_connector.params import RemoteDecode, RemotePrefill
     from kvpool.engine.sampling.matcher import Matcher
 
 
@@ -153,7 +154,7 @@ class Request:
     # Disaggregated serving (`kvpool.engine.kv_connector`): what its kv_transfer_params ask
     # (RemoteDecode / RemotePrefill, read by the connector at intake), what its output hands
     # on (a producer's handover), and why it failed (a load under policy "fail").
-    kv_transfer: object | None = None
+    kv_transfer: RemoteDecode | RemotePrefill | None = None
     kv_transfer_params: dict | None = None
     error: str | None = None
 

@@ -188,7 +188,7 @@ class KVConsumer:
                 self._quarantined.append(load)  # its transfer may still write
                 self._give_up(load, KVTransferError(
                     "timeout", f"loading {len(load.pairs)} blocks took over "
-                               f"{self.timeout_seconds} s"), now)
+                               f"{self.timeout_seconds} s"))
         self._free_quarantined()
         ready, self._ready = self._ready, []
         return ready
@@ -239,7 +239,7 @@ class KVConsumer:
                                      load.block_hashes)
             self._held[request.request_id] = load.table
             self.stats.num_blocks += len(load.pairs)
-            self.stats.num_bytes += len(load.pairs) * self._bytes_per_block
+            self.stats.num_bytes += len(load.pairs) * self.memory.layout.bytes_per_block
             self.stats.seconds.observe(time.monotonic() - load.started)
             self._ready.append(Loaded(request, load.block_hashes))
             return
@@ -248,9 +248,9 @@ class KVConsumer:
             error = KVTransferError("incompatible", str(error))
         elif not isinstance(error, KVTransferError):
             error = KVTransferError("failed", f"{type(error).__name__}: {error}")
-        self._give_up(load, error, time.monotonic())
+        self._give_up(load, error)
 
-    def _give_up(self, load: _Load, error: KVTransferError, now: float) -> None:
+    def _give_up(self, load: _Load, error: KVTransferError) -> None:
         self.stats.failures[error.reason] += 1
         logger.warning("KV load for request %s failed: %s", load.request.request_id, error)
         if not load.aborted:
@@ -289,7 +289,3 @@ class KVConsumer:
         except Exception as error:
             logger.info("could not release lease %s at %s: %s", remote.lease_id,
                         remote.engine_id, error)
-
-    @property
-    def _bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self._tensors)

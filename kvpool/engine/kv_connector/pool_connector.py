@@ -11,7 +11,8 @@ consumer reaches one (`_link_for`).
 
 Both halves need the prefix cache (the producer finds a finished prompt's blocks there; the
 consumer publishes loaded blocks into it) and the plain single-group, static KV pool (the
-transport registers one fixed set of tensors: `regions`); `check_engine_fits` refuses others.
+transport registers one fixed set of tensors: `regions`); `EngineConfig` and `factory` refuse
+others.
 """
 
 from __future__ import annotations

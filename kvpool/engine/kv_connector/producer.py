@@ -99,7 +99,7 @@ class KVProducer:
             self._check(lease_id, prompt_digest, pairs, now)
             checksums = block_checksums(self._tensors, [block_id for block_id, _ in pairs])
             self.num_sent_blocks += len(pairs)
-            self.num_sent_bytes += len(pairs) * self._bytes_per_block
+            self.num_sent_bytes += len(pairs) * self.leases.pool.layout.bytes_per_block
             return checksums
 
     def release_later(self, lease_id: str) -> None:
@@ -122,7 +122,3 @@ class KVProducer:
             raise KVTransferError("lease", str(refused)) from refused
         if self._digests.get(lease_id) != prompt_digest:
             raise KVTransferError("lease", f"lease {lease_id!r} holds another prompt's KV")
-
-    @property
-    def _bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self._tensors)
