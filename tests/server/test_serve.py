@@ -7,34 +7,13 @@ once, a request in flight finishes within the grace period, and the process exit
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_health(base_url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read().decode()[-2000:]
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the server never became healthy")
+from tests.kvpool_processes import start_kvpool, wait_healthy
 
 
 def _stream_events(base_url: str, body: dict, events: list[dict | str]) -> None:
@@ -44,16 +23,13 @@ def _stream_events(base_url: str, body: dict, events: list[dict | str]) -> None:
                 events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
 
 
-def test_sigterm_finishes_requests_in_flight_and_exits_cleanly() -> None:
-    port = _free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kvpool", "serve", "tiny", "--load-format", "dummy",
-               "--port", str(port), "--num-gpu-blocks", "64", "--no-enable-warmup",
-               "--shutdown-grace-seconds", "30", "--log-level", "warning"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
+def test_sigterm_finishes_requests_in_flight_and_exits_cleanly(tmp_path) -> None:
+    log = tmp_path / "serve.log"
+    process, base_url = start_kvpool(["serve", "tiny", "--load-format", "dummy",
+                                      "--num-gpu-blocks", "64", "--no-enable-warmup",
+                                      "--shutdown-grace-seconds", "30"], log)
     try:
-        _wait_for_health(base_url, process)
+        wait_healthy(process, base_url, log)
         events: list[dict | str] = []
         body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
         reader = threading.Thread(target=_stream_events, args=(base_url, body, events))
