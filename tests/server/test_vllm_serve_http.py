@@ -13,12 +13,13 @@ import sys
 
 import pytest
 
+from kvpool.bench.processes import free_port
 from kvpool.openai.auth import ApiKeyTable
 from kvpool.server.config import ServerConfig
 from kvpool.server.cors import CorsConfig
 from kvpool.server.startup import startup_summary
+from tests.kvpool_processes import wait_healthy
 from tests.server.conftest import MODEL
-from tests.server.test_serve import _free_port, _wait_for_health
 
 KEY = "key-a"
 PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
@@ -105,19 +106,22 @@ def test_the_startup_summary_counts_the_kv_pool(make_server):
 
 
 def test_serve_with_a_config_file_and_model_flag_logs_the_summary(tmp_path):
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "serve.yaml"
     config.write_text(f"load-format: dummy\nport: {port}\nnum-gpu-blocks: 64\n"
                       "enable-warmup: false\nmax-model-len: 256\ndtype: float32\n")
     command = [sys.executable, "-m", "kvpool", "serve", "--model", "tiny", "--config",
                str(config), "--uvicorn-log-level", "info"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    log = tmp_path / "serve.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stderr=output,
+                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
-        _wait_for_health(f"http://127.0.0.1:{port}", process)
+        wait_healthy(process, f"http://127.0.0.1:{port}", log)
     finally:
         process.terminate()
-        stderr = process.communicate(timeout=60)[1].decode()
+        process.wait(timeout=60)
+    stderr = log.read_text()
     line = next(line for line in stderr.splitlines() if "maximum concurrency" in line)
     assert "model tiny, dtype float32, KV cache dtype float32; KV cache: 64 blocks of" in line
     assert "maximum concurrency for 256 tokens per request:" in line
